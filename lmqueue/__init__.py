@@ -1,0 +1,3 @@
+"""The lmqueue application: command line, demo, local Redis, benchmarks."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""The client side: `QueueLM`, a drop-in `AsyncLM` whose computation happens on workers."""
+
+__all__: list[str] = []

@@ -1,0 +1,183 @@
+"""The error hierarchy shared by clients and workers.
+
+An error raised for one request travels to that request's future as the same type: the worker
+encodes it with `to_wire`, the client rebuilds it with `from_wire`. Subclasses of builtin errors
+keep programs written against in-process backends working (`except ValueError`, `except
+TimeoutError`).
+
+    LMQueueError
+    ├── BadRequest (ValueError)              the request itself is wrong; retrying will not help
+    │   ├── EmptyPrompt
+    │   ├── TokenOutOfVocabulary
+    │   ├── PromptTooLong
+    │   ├── OversizeRequest
+    │   ├── UnknownNode
+    │   └── VocabularyMismatch
+    ├── MalformedMessage (ValueError)        bytes on the wire that do not decode to a message
+    ├── UnknownModel (LookupError)           no worker ever published the model
+    ├── ModelError (RuntimeError)            the backend failed while computing
+    ├── DeadlineExceeded (TimeoutError)      the request's deadline passed before its result
+    ├── Busy                                 admission control refused a new request
+    ├── DeadLettered                         the request failed on every delivery and was parked
+    ├── Cancelled                            the request was withdrawn (client closed, reset)
+    └── Unavailable (ConnectionError)        Redis or the workers cannot be reached
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "LMQueueError",
+    "BadRequest",
+    "EmptyPrompt",
+    "TokenOutOfVocabulary",
+    "PromptTooLong",
+    "OversizeRequest",
+    "UnknownNode",
+    "VocabularyMismatch",
+    "MalformedMessage",
+    "UnknownModel",
+    "ModelError",
+    "DeadlineExceeded",
+    "Busy",
+    "DeadLettered",
+    "Cancelled",
+    "Unavailable",
+    "to_wire",
+    "from_wire",
+]
+
+
+class LMQueueError(Exception):
+    """Raised for any failure of an lmqueue request; the root of the hierarchy."""
+
+    def __init__(self, message: str, /, **data: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self).__name__, self.message, self.data))
+
+
+class BadRequest(LMQueueError, ValueError):
+    """Raised when a request is invalid in itself; sending it again cannot succeed."""
+
+
+class EmptyPrompt(BadRequest):
+    """Raised when a request carries no tokens."""
+
+
+class TokenOutOfVocabulary(BadRequest):
+    """Raised when a token id is negative or not below the model's vocabulary size."""
+
+
+class PromptTooLong(BadRequest):
+    """Raised when a prompt is longer than the model's context window."""
+
+
+class OversizeRequest(BadRequest):
+    """Raised when an encoded request exceeds the configured size limit."""
+
+
+class UnknownNode(BadRequest):
+    """Raised when a trie mass request names node ids that the vocabulary's trie lacks."""
+
+
+class VocabularyMismatch(BadRequest):
+    """Raised when a vector's length does not match the vocabulary it is used with."""
+
+
+class MalformedMessage(LMQueueError, ValueError):
+    """Raised when bytes read from a stream do not decode to a valid message."""
+
+
+class UnknownModel(LMQueueError, LookupError):
+    """Raised when no worker has published the requested model."""
+
+
+class ModelError(LMQueueError, RuntimeError):
+    """Raised when the backend failed while computing a request's result."""
+
+
+class DeadlineExceeded(LMQueueError, TimeoutError):
+    """Raised when a request's deadline passes before its result arrives."""
+
+
+class Busy(LMQueueError):
+    """Raised when the model's backlog is over its bound and a new request is refused."""
+
+
+class DeadLettered(LMQueueError):
+    """Raised when a request failed on every delivery and was moved to the dead-letter stream."""
+
+
+class Cancelled(LMQueueError):
+    """Raised when a request is withdrawn before its result (client closed, queries reset)."""
+
+
+class Unavailable(LMQueueError, ConnectionError):
+    """Raised when Redis or the model's workers cannot be reached."""
+
+
+_BY_NAME: dict[str, type[LMQueueError]] = {
+    cls.__name__: cls
+    for cls in (
+        LMQueueError,
+        BadRequest,
+        EmptyPrompt,
+        TokenOutOfVocabulary,
+        PromptTooLong,
+        OversizeRequest,
+        UnknownNode,
+        VocabularyMismatch,
+        MalformedMessage,
+        UnknownModel,
+        ModelError,
+        DeadlineExceeded,
+        Busy,
+        DeadLettered,
+        Cancelled,
+        Unavailable,
+    )
+}
+
+
+def _rebuild(name: str, message: str, data: dict[str, Any]) -> LMQueueError:
+    cls = _BY_NAME.get(name, LMQueueError)
+    return cls(message, **data)
+
+
+def to_wire(error: BaseException) -> dict[str, Any]:
+    """Describe an error as a msgpack-able map; foreign exceptions become `ModelError`."""
+    if isinstance(error, LMQueueError):
+        return {"type": type(error).__name__, "message": error.message, "data": _plain(error.data)}
+    return {"type": "ModelError", "message": f"{type(error).__name__}: {error}", "data": {}}
+
+
+def from_wire(payload: Any) -> LMQueueError:
+    """Rebuild the error described by `to_wire`; anything unrecognisable is a `MalformedMessage`."""
+    if not isinstance(payload, dict):
+        return MalformedMessage(f"error payload is {type(payload).__name__}, not a map")
+    name = payload.get("type")
+    message = payload.get("message")
+    data = payload.get("data") or {}
+    if not isinstance(name, str) or not isinstance(message, str) or not isinstance(data, dict):
+        return MalformedMessage("error payload lacks a string type and message")
+    if not all(isinstance(key, str) for key in data):
+        return MalformedMessage("error data keys must be strings")
+    return _rebuild(name, message, data)
+
+
+def _plain(data: dict[str, Any]) -> dict[str, Any]:
+    """Keep only values msgpack can carry; others become their repr."""
+    plain: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, (str, int, float, bool, bytes, type(None))):
+            plain[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (str, int)) for v in value):
+            plain[key] = list(value)
+        else:
+            plain[key] = repr(value)
+    return plain

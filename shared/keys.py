@@ -1,0 +1,92 @@
+"""The whole Redis key layout, in one place.
+
+Every key starts with a prefix (default ``lmq``). Keys a tenant owns carry the tenant as their
+second part, so that ACL rules (``~lmq:<tenant>:*``), per-tenant streams and per-tenant caches
+need no new layout later; the single-tenant default is ``default``. Keys that describe a model
+served to everyone (its registry entry, tokenizer, vocabulary, live workers) carry no tenant.
+
+    lmq:models                                    set of published model names
+    lmq:model:<model>:info                        msgpack map: revision, vocab size, context, ...
+    lmq:model:<model>:tokenizer                   the tokenizer's JSON (tokenizers library)
+    lmq:model:<model>:vocab                       msgpack list of every token's bytes
+    lmq:model:<model>:workers                     zset: worker name -> last heartbeat (ms)
+    lmq:<tenant>:model:<model>:requests           request stream (consumer group "workers")
+    lmq:<tenant>:model:<model>:dead               dead-letter stream
+    lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
+    lmq:<tenant>:cache:<model>:<rev>:<kind>:<digest>   one cached result vector
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+__all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "token_digest"]
+
+#: The consumer group every worker of a model joins on its request stream.
+WORKER_GROUP = "workers"
+
+_NAME = re.compile(r"^[A-Za-z0-9._/@+=-]{1,200}$")
+
+
+def validate_name(kind: str, name: str) -> str:
+    """Return `name` if it is safe inside a key, else raise ValueError naming `kind`."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"invalid {kind} name {name!r}: use 1-200 of A-Z a-z 0-9 . _ / @ + = -")
+    return name
+
+
+def token_digest(token_bytes: bytes) -> str:
+    """A 160-bit digest of a prompt's little-endian token bytes: the exact token tuple, short."""
+    return hashlib.blake2b(token_bytes, digest_size=20).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Builds every key name from a prefix and a tenant."""
+
+    prefix: str = "lmq"
+    tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        validate_name("prefix", self.prefix)
+        validate_name("tenant", self.tenant)
+
+    # -- model registry (global) -------------------------------------------------------------
+    def models(self) -> str:
+        """The set of model names any worker ever published."""
+        return f"{self.prefix}:models"
+
+    def model_info(self, model: str) -> str:
+        """The model's published metadata."""
+        return f"{self.prefix}:model:{model}:info"
+
+    def model_tokenizer(self, model: str) -> str:
+        """The model's tokenizer as tokenizers-library JSON."""
+        return f"{self.prefix}:model:{model}:tokenizer"
+
+    def model_vocab(self, model: str) -> str:
+        """The model's byte vocabulary."""
+        return f"{self.prefix}:model:{model}:vocab"
+
+    def model_workers(self, model: str) -> str:
+        """The zset of live workers of the model, scored by last heartbeat (ms)."""
+        return f"{self.prefix}:model:{model}:workers"
+
+    # -- per tenant ----------------------------------------------------------------------------
+    def requests(self, model: str) -> str:
+        """The model's request stream."""
+        return f"{self.prefix}:{self.tenant}:model:{model}:requests"
+
+    def dead_letters(self, model: str) -> str:
+        """The model's dead-letter stream."""
+        return f"{self.prefix}:{self.tenant}:model:{model}:dead"
+
+    def replies(self, client_id: str) -> str:
+        """The reply stream of one client."""
+        return f"{self.prefix}:{self.tenant}:client:{client_id}:replies"
+
+    def cache_entry(self, model: str, revision: str, kind: str, token_bytes: bytes) -> str:
+        """The shared-cache key of one result: model, revision, result kind, exact tokens."""
+        return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{token_digest(token_bytes)}"

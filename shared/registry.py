@@ -1,0 +1,155 @@
+"""The model registry: what a worker publishes so that clients need no model files.
+
+A worker publishes, per model name, a `ModelInfo` (revision, sizes, limits), its tokenizer as
+the files ``save_pretrained`` writes, and its byte vocabulary. It also beats a heartbeat into
+the model's worker zset. Clients read all of it once on connect. Publishing is idempotent and
+repeated on every heartbeat when the entry is missing, so a Redis restart heals itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from .errors import MalformedMessage, UnknownModel
+from .keys import KeySpace
+from .wire import WIRE_VERSION
+
+__all__ = [
+    "ModelInfo",
+    "ModelRegistry",
+    "tokenizer_to_files",
+    "tokenizer_from_files",
+]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Published metadata of a served model."""
+
+    name: str
+    revision: str
+    backend: str
+    #: Number of token ids the tokenizer knows (length of the byte vocabulary).
+    vocab_size: int
+    #: Length of a log-probability vector (the model's output size, may exceed vocab_size).
+    vector_size: int
+    max_prompt_tokens: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    wire_version: int = WIRE_VERSION
+
+    def to_bytes(self) -> bytes:
+        """Encode as msgpack."""
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> ModelInfo:
+        """Decode from msgpack, validating field names and types."""
+        try:
+            values = msgpack.unpackb(raw, raw=False)
+            info = cls(**values)
+        except Exception as exc:
+            raise MalformedMessage(f"model info does not decode: {exc}") from None
+        if not isinstance(info.vocab_size, int) or not isinstance(info.vector_size, int):
+            raise MalformedMessage("model info sizes are not integers")
+        return info
+
+
+class ModelRegistry:
+    """Reads and writes the registry keys of `KeySpace` on one Redis connection."""
+
+    def __init__(self, redis: Any, keys: KeySpace) -> None:
+        self._redis = redis
+        self._keys = keys
+
+    async def publish(
+        self, info: ModelInfo, tokenizer_files: dict[str, bytes], byte_vocab: list[bytes]
+    ) -> None:
+        """Publish everything a client needs to use `info.name`."""
+        keys, name = self._keys, info.name
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.model_info(name), info.to_bytes())
+            pipe.set(keys.model_tokenizer(name), msgpack.packb(tokenizer_files, use_bin_type=True))
+            pipe.set(keys.model_vocab(name), msgpack.packb(list(byte_vocab), use_bin_type=True))
+            pipe.sadd(keys.models(), name)
+            await pipe.execute()
+
+    async def is_published(self, name: str) -> bool:
+        """Whether the model's info key exists (it vanishes when Redis restarts empty)."""
+        return bool(await self._redis.exists(self._keys.model_info(name)))
+
+    async def info(self, name: str) -> ModelInfo:
+        """The published info of `name`.
+
+        Raises:
+            UnknownModel: if no worker has published it.
+        """
+        raw = await self._redis.get(self._keys.model_info(name))
+        if raw is None:
+            known = sorted(m.decode() for m in await self._redis.smembers(self._keys.models()))
+            raise UnknownModel(f"no worker has published model {name!r}", model=name, known=known)
+        return ModelInfo.from_bytes(raw)
+
+    async def tokenizer_files(self, name: str) -> dict[str, bytes]:
+        """The tokenizer files published for `name`."""
+        raw = await self._redis.get(self._keys.model_tokenizer(name))
+        if raw is None:
+            raise UnknownModel(f"model {name!r} has no published tokenizer", model=name)
+        files = msgpack.unpackb(raw, raw=False)
+        if not isinstance(files, dict):
+            raise MalformedMessage("published tokenizer is not a file map")
+        return files
+
+    async def byte_vocab(self, name: str) -> list[bytes]:
+        """The byte vocabulary published for `name`."""
+        raw = await self._redis.get(self._keys.model_vocab(name))
+        if raw is None:
+            raise UnknownModel(f"model {name!r} has no published vocabulary", model=name)
+        vocab = msgpack.unpackb(raw, raw=False)
+        if not isinstance(vocab, list) or not all(isinstance(t, bytes) for t in vocab):
+            raise MalformedMessage("published vocabulary is not a list of bytes")
+        return vocab
+
+    async def heartbeat(self, name: str, worker: str) -> None:
+        """Record that `worker` serves `name` now."""
+        await self._redis.zadd(self._keys.model_workers(name), {worker: int(time.time() * 1000)})
+
+    async def leave(self, name: str, worker: str) -> None:
+        """Remove `worker` from the live set of `name` (clean shutdown)."""
+        await self._redis.zrem(self._keys.model_workers(name), worker)
+
+    async def live_workers(self, name: str, within_s: float) -> list[str]:
+        """Workers of `name` whose last heartbeat is at most `within_s` old."""
+        since = int((time.time() - within_s) * 1000)
+        members = await self._redis.zrangebyscore(self._keys.model_workers(name), since, "+inf")
+        return [m.decode() if isinstance(m, bytes) else m for m in members]
+
+
+def tokenizer_to_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, by name."""
+    with tempfile.TemporaryDirectory(prefix="lmq-tok-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None) -> Any:
+    """Load a tokenizer from `tokenizer_to_files` output, via a content-addressed directory."""
+    from transformers import AutoTokenizer
+
+    digest = hashlib.blake2b(msgpack.packb(sorted(files.items())), digest_size=12).hexdigest()
+    base = cache_dir or Path(tempfile.gettempdir()) / "lmqueue-tokenizers"
+    target = base / digest
+    if not (target / ".complete").exists():
+        target.mkdir(parents=True, exist_ok=True)
+        for name, content in files.items():
+            if "/" in name or name.startswith("."):
+                raise MalformedMessage(f"tokenizer file name {name!r} is not a plain name")
+            (target / name).write_bytes(content)
+        (target / ".complete").touch()
+    return AutoTokenizer.from_pretrained(str(target))

@@ -1,0 +1,210 @@
+"""Settings of each process, built once in ``main()`` from the environment.
+
+Each process kind has one frozen dataclass. `from_env` reads ``LMQ_<FIELD>`` variables (plus
+the conventional ``REDIS_URL``), converts them by the field's type and reports a bad value with
+its key; tests pass a plain dict. Nothing here reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .keys import KeySpace, validate_name
+
+__all__ = ["SettingsError", "RedisSettings", "WorkerSettings", "ClientSettings"]
+
+T = TypeVar("T")
+ENV_PREFIX = "LMQ_"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class SettingsError(ValueError):
+    """Raised when a setting has a value that cannot be used; names the key and the value."""
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where the queue and the shared cache live, and how keys are named.
+
+    The queue role (request and reply streams, registry) must run with ``noeviction``; the
+    cache role may be a separate instance with an LRU policy (see ops/redis/). With no
+    `cache_url` both roles share one instance, and cache entries are bounded by their TTL.
+    """
+
+    url: str = DEFAULT_REDIS_URL
+    cache_url: str | None = None
+    prefix: str = "lmq"
+    tenant: str = "default"
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("url", "cache_url"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+                raise SettingsError(f"{name}={value!r}: expected a redis://, rediss:// or unix:// URL")
+        try:
+            self.keyspace()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
+        """Settings for the Redis at `url`, other fields at their defaults or `overrides`."""
+        return cls(url=url, **overrides)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RedisSettings:
+        """Read ``LMQ_REDIS_URL`` (or ``REDIS_URL``), ``LMQ_CACHE_URL``, ``LMQ_PREFIX``, ..."""
+        environ = os.environ if environ is None else environ
+        values = _from_environ(cls, environ, skip={"url"})
+        url = environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL")
+        if url:
+            values["url"] = url
+        return cls(**values)
+
+    @property
+    def effective_cache_url(self) -> str:
+        """The URL of the cache role: `cache_url`, or the queue's own."""
+        return self.cache_url or self.url
+
+    def keyspace(self) -> KeySpace:
+        """The key layout for this prefix and tenant."""
+        return KeySpace(self.prefix, self.tenant)
+
+
+def _default_worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a worker process needs; see README's configuration reference."""
+
+    model: str
+    backend: str = "hf"
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    #: Stable consumer name; a restarted worker with the same name finishes its own pending work.
+    name: str = field(default_factory=_default_worker_name)
+    batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_ms: int = 5
+    max_prompt_tokens: int = 0  # 0: the model's context window
+    device: str = ""
+    backend_opts: dict[str, Any] = field(default_factory=dict)
+    cache_writes: bool = True
+    cache_ttl_s: int = 3600
+    reply_ttl_s: int = 600
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    heartbeat_s: float = 2.0
+    shutdown_grace_s: float = 30.0
+    max_request_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise SettingsError("model is required (LMQ_MODEL or --model)")
+        validate_name("model", self.model)
+        if self.backend not in ("hf", "mock", "vllm", "sgl"):
+            raise SettingsError(f"backend={self.backend!r}: expected hf, mock, vllm or sgl")
+        validate_name("worker", self.name)
+        _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s")
+        _require_non_negative(self, "max_wait_ms", "max_prompt_tokens", "cache_ttl_s")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
+        """Read ``LMQ_MODEL``, ``LMQ_BACKEND``, ``LMQ_BATCH_SIZE``, ...; `overrides` win."""
+        environ = os.environ if environ is None else environ
+        values = _from_environ(cls, environ, skip={"redis"})
+        values["redis"] = RedisSettings.from_env(environ)
+        values.update(overrides)
+        values.setdefault("model", "")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Everything a `QueueLM` client needs."""
+
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    #: Seconds from submission to a request's deadline; 0 waits forever.
+    timeout_s: float = 120.0
+    #: Dtype of result vectors on the wire; results are always handed out as float32.
+    wire_dtype: str = "float32"
+    local_cache_size: int = 256
+    use_shared_cache: bool = True
+    max_inflight: int = 4096
+    read_count: int = 256
+    reply_ttl_s: int = 600
+    #: How long `connect` waits for a worker to publish the model.
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in ("float32", "float16"):
+            raise SettingsError(f"wire_dtype={self.wire_dtype!r}: expected float32 or float16")
+        _require_positive(self, "max_inflight", "read_count", "reply_ttl_s")
+        _require_non_negative(self, "timeout_s", "local_cache_size", "connect_timeout_s")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientSettings:
+        """Read ``LMQ_TIMEOUT_S``, ``LMQ_WIRE_DTYPE``, ...; `overrides` win."""
+        environ = os.environ if environ is None else environ
+        values = _from_environ(cls, environ, skip={"redis"})
+        values["redis"] = RedisSettings.from_env(environ)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _require_positive(settings: Any, *names: str) -> None:
+    for name in names:
+        if getattr(settings, name) <= 0:
+            raise SettingsError(f"{name}={getattr(settings, name)!r}: must be > 0")
+
+
+def _require_non_negative(settings: Any, *names: str) -> None:
+    for name in names:
+        if getattr(settings, name) < 0:
+            raise SettingsError(f"{name}={getattr(settings, name)!r}: must be >= 0")
+
+
+def _from_environ(cls: type, environ: Mapping[str, str], skip: set[str]) -> dict[str, Any]:
+    """Values of `cls`'s fields found as ``LMQ_<FIELD>`` in `environ`, converted by type."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = ENV_PREFIX + f.name.upper()
+        if f.name in skip or key not in environ:
+            continue
+        values[f.name] = _convert(key, environ[key], hints[f.name])
+    return values
+
+
+def _convert(key: str, raw: str, hint: Any) -> Any:
+    """Convert one environment string by its field's type, naming key and value on failure."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        if raw == "":
+            return None
+    try:
+        if hint is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError("expected a boolean")
+            return lowered in ("1", "true", "yes", "on")
+        if hint in (int, float, str):
+            return hint(raw)
+        if typing.get_origin(hint) is dict:
+            value = json.loads(raw or "{}")
+            if not isinstance(value, dict):
+                raise ValueError("expected a JSON object")
+            return value
+    except ValueError as exc:
+        raise SettingsError(f"{key}={raw!r}: {exc}") from None
+    raise SettingsError(f"{key}: fields of type {hint!r} cannot be set from the environment")

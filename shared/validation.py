@@ -1,0 +1,56 @@
+"""Prompt validation, one implementation for client, worker and every backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+
+__all__ = ["check_prompt"]
+
+
+def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.ndarray:
+    """Validate a prompt and return it as an int32 array.
+
+    Args:
+        token_ids: a sequence of ints (list, tuple, numpy or torch integer array).
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_tokens: the longest prompt allowed; 0 means no limit.
+
+    Raises:
+        EmptyPrompt, TokenOutOfVocabulary, PromptTooLong: each with the offending values.
+    """
+    try:
+        ids = np.asarray(token_ids)
+    except (TypeError, ValueError) as exc:
+        raise TokenOutOfVocabulary(f"token ids are not a sequence of integers: {exc}") from None
+    if ids.ndim != 1:
+        raise TokenOutOfVocabulary(f"token ids must be a flat sequence, got shape {ids.shape}")
+    if ids.size == 0:
+        raise EmptyPrompt("token ids must not be empty")
+    if ids.dtype.kind not in "iu":
+        if ids.dtype.kind == "O" and all(_is_int(t) for t in ids):
+            ids = ids.astype(np.int64)
+        else:
+            raise TokenOutOfVocabulary(f"token ids must be integers, got {ids.dtype} values")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise TokenOutOfVocabulary(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+            token_id=bad,
+            vocab_size=vocab_size,
+        )
+    if max_tokens and ids.size > max_tokens:
+        raise PromptTooLong(
+            f"prompt of {ids.size} tokens exceeds the limit of {max_tokens}",
+            length=int(ids.size),
+            limit=max_tokens,
+        )
+    return ids.astype(np.int32, copy=False)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -1,0 +1,254 @@
+"""Wire formats of requests and replies on Redis streams.
+
+A stream entry is a map of fields. Requests carry one field ``m``: a msgpack envelope. Replies
+carry ``h``, a msgpack header, and for results ``d``, the vector as raw little-endian bytes
+(never a msgpack float list: raw bytes are 2.25x smaller and ~100x faster to decode, and
+`numpy.frombuffer` reads them without a copy). Token ids and node ids travel the same way, as
+little-endian int32 bytes.
+
+Every envelope carries the format version ``v``. Decoding validates every field and raises
+`MalformedMessage`, never anything else, so a reader can always answer or park a bad entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .errors import LMQueueError, MalformedMessage, from_wire, to_wire
+
+__all__ = [
+    "WIRE_VERSION",
+    "KINDS",
+    "MASS_OPS",
+    "VECTOR_DTYPES",
+    "Request",
+    "Reply",
+    "encode_request",
+    "decode_request",
+    "encode_result",
+    "encode_error",
+    "decode_reply",
+    "ids_to_bytes",
+    "bytes_to_ids",
+    "vector_to_bytes",
+    "bytes_to_vector",
+]
+
+WIRE_VERSION = 1
+#: What a request asks for: the next-token log-probabilities, or trie masses derived from them.
+KINDS = ("logprobs", "mass")
+MASS_OPS = ("sum", "max")
+#: Dtypes a vector may travel in, by wire name.
+VECTOR_DTYPES = {"float32": "<f4", "float16": "<f2", "float64": "<f8"}
+
+_MAX_ENVELOPE_BYTES = 64 * 1024 * 1024
+
+
+def ids_to_bytes(ids: Any) -> bytes:
+    """Encode a sequence of integer ids as little-endian int32 bytes."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(raw: bytes) -> np.ndarray:
+    """Decode little-endian int32 bytes into a read-only int32 array (no copy)."""
+    if len(raw) % 4:
+        raise MalformedMessage(f"id bytes have length {len(raw)}, not a multiple of 4")
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def vector_to_bytes(vector: Any, dtype: str) -> bytes:
+    """Encode a 1-d float vector (numpy or torch, any device) in the named wire dtype."""
+    if hasattr(vector, "detach"):  # a torch tensor; avoid importing torch here
+        vector = vector.detach().to("cpu").numpy()
+    return np.ascontiguousarray(vector, dtype=VECTOR_DTYPES[dtype]).tobytes()
+
+
+def bytes_to_vector(raw: bytes, dtype: str) -> np.ndarray:
+    """Decode raw little-endian bytes of the named wire dtype (no copy, read-only)."""
+    code = VECTOR_DTYPES.get(dtype)
+    if code is None:
+        raise MalformedMessage(f"unknown vector dtype {dtype!r}")
+    if len(raw) % np.dtype(code).itemsize:
+        raise MalformedMessage(f"{len(raw)} payload bytes do not hold whole {dtype} values")
+    return np.frombuffer(raw, dtype=code)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: a tokenized prompt and what to compute from its next-token distribution."""
+
+    request_id: str
+    client_id: str
+    token_bytes: bytes
+    kind: str = "logprobs"
+    dtype: str = "float32"
+    deadline_ms: int = 0
+    mass_op: str = "sum"
+    node_bytes: bytes | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The prompt's token ids."""
+        return bytes_to_ids(self.token_bytes)
+
+    @property
+    def nodes(self) -> np.ndarray | None:
+        """The trie node ids a mass request asks for, or None for all nodes."""
+        return None if self.node_bytes is None else bytes_to_ids(self.node_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One reply: a result vector or an error, for one request id."""
+
+    request_id: str
+    payload: bytes | None = None
+    dtype: str = "float32"
+    error: LMQueueError | None = None
+    cached: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether the reply carries a result."""
+        return self.error is None
+
+    def vector(self) -> np.ndarray:
+        """The result vector (read-only view of the payload)."""
+        if self.payload is None:
+            raise MalformedMessage("reply carries no payload")
+        return bytes_to_vector(self.payload, self.dtype)
+
+
+def encode_request(request: Request) -> dict[str, bytes]:
+    """Encode a request as stream-entry fields."""
+    envelope: dict[str, Any] = {
+        "v": WIRE_VERSION,
+        "id": request.request_id,
+        "client": request.client_id,
+        "kind": request.kind,
+        "tokens": request.token_bytes,
+        "dtype": request.dtype,
+        "deadline_ms": request.deadline_ms,
+    }
+    if request.kind == "mass":
+        envelope["op"] = request.mass_op
+        if request.node_bytes is not None:
+            envelope["nodes"] = request.node_bytes
+    return {"m": msgpack.packb(envelope, use_bin_type=True)}
+
+
+def decode_request(fields: dict[bytes, bytes]) -> Request:
+    """Decode and validate stream-entry fields into a `Request`.
+
+    Raises:
+        MalformedMessage: on any defect; its data carries ``request_id`` and ``client_id`` when
+            they could be read, so that the reader can still answer the sender.
+    """
+    envelope = _unpack_envelope(fields, b"m")
+    ids = {
+        key: envelope[wire]
+        for key, wire in (("request_id", "id"), ("client_id", "client"))
+        if isinstance(envelope.get(wire), str)
+    }
+    try:
+        return _request_from_envelope(envelope)
+    except MalformedMessage as exc:
+        raise MalformedMessage(exc.message, **ids) from None
+
+
+def _request_from_envelope(envelope: dict[str, Any]) -> Request:
+    _check_version(envelope)
+    request_id = _field(envelope, "id", str)
+    client_id = _field(envelope, "client", str)
+    kind = _field(envelope, "kind", str)
+    if kind not in KINDS:
+        raise MalformedMessage(f"unknown request kind {kind!r}")
+    tokens = _field(envelope, "tokens", bytes)
+    bytes_to_ids(tokens)  # validates the length
+    dtype = _field(envelope, "dtype", str)
+    if dtype not in VECTOR_DTYPES:
+        raise MalformedMessage(f"unknown vector dtype {dtype!r}")
+    deadline_ms = _field(envelope, "deadline_ms", int)
+    mass_op, node_bytes = "sum", None
+    if kind == "mass":
+        mass_op = _field(envelope, "op", str)
+        if mass_op not in MASS_OPS:
+            raise MalformedMessage(f"unknown mass op {mass_op!r}")
+        if "nodes" in envelope:
+            node_bytes = _field(envelope, "nodes", bytes)
+            bytes_to_ids(node_bytes)
+    return Request(request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes)
+
+
+def encode_result(
+    request_id: str, payload: bytes, dtype: str, cached: bool = False
+) -> dict[str, bytes]:
+    """Encode a result reply; `payload` is the vector's raw bytes in `dtype`."""
+    header = {"v": WIRE_VERSION, "id": request_id, "ok": True, "dtype": dtype, "cached": cached}
+    return {"h": msgpack.packb(header, use_bin_type=True), "d": payload}
+
+
+def encode_error(request_id: str, error: BaseException) -> dict[str, bytes]:
+    """Encode an error reply; foreign exceptions travel as `ModelError`."""
+    header = {"v": WIRE_VERSION, "id": request_id, "ok": False, "error": to_wire(error)}
+    return {"h": msgpack.packb(header, use_bin_type=True)}
+
+
+def decode_reply(fields: dict[bytes, bytes]) -> Reply:
+    """Decode and validate reply-entry fields.
+
+    Raises:
+        MalformedMessage: on any defect; its data carries ``request_id`` when it could be read.
+    """
+    header = _unpack_envelope(fields, b"h")
+    request_id = header.get("id")
+    try:
+        _check_version(header)
+        request_id = _field(header, "id", str)
+        ok = _field(header, "ok", bool)
+        if not ok:
+            return Reply(request_id, error=from_wire(header.get("error")))
+        dtype = _field(header, "dtype", str)
+        payload = fields.get(b"d")
+        if not isinstance(payload, bytes):
+            raise MalformedMessage("result reply lacks its payload field 'd'")
+        bytes_to_vector(payload, dtype)  # validates dtype and length
+        return Reply(request_id, payload, dtype, cached=bool(header.get("cached", False)))
+    except MalformedMessage as exc:
+        data = {"request_id": request_id} if isinstance(request_id, str) else {}
+        raise MalformedMessage(exc.message, **data) from None
+
+
+def _unpack_envelope(fields: Any, name: bytes) -> dict[str, Any]:
+    if not isinstance(fields, dict):
+        raise MalformedMessage(f"entry is {type(fields).__name__}, not a field map")
+    raw = fields.get(name)
+    if not isinstance(raw, bytes):
+        raise MalformedMessage(f"entry lacks its {name.decode()!r} field")
+    if len(raw) > _MAX_ENVELOPE_BYTES:
+        raise MalformedMessage(f"envelope of {len(raw)} bytes is over the limit")
+    try:
+        envelope = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage input
+        raise MalformedMessage(f"envelope is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(envelope, dict):
+        raise MalformedMessage(f"envelope is {type(envelope).__name__}, not a map")
+    return envelope
+
+
+def _check_version(envelope: dict[str, Any]) -> None:
+    version = envelope.get("v")
+    if version != WIRE_VERSION:
+        raise MalformedMessage(f"unsupported wire version {version!r} (expected {WIRE_VERSION})")
+
+
+def _field(envelope: dict[str, Any], name: str, kind: type) -> Any:
+    value = envelope.get(name)
+    # bool is an int subclass; an int field must not accept True
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise MalformedMessage(f"field {name!r} is missing or not {kind.__name__}")
+    return value

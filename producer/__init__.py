@@ -1,3 +1,5 @@
 """The client side: `QueueLM`, a drop-in `AsyncLM` whose computation happens on workers."""
 
-__all__: list[str] = []
+from .client import QueueLM
+
+__all__ = ["QueueLM"]

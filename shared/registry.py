@@ -42,6 +42,8 @@ class ModelInfo:
     vector_size: int
     max_prompt_tokens: int
     eos_token_ids: list[int] = field(default_factory=list)
+    #: Admission bound on queued requests that clients enforce (0: none).
+    max_backlog: int = 0
     wire_version: int = WIRE_VERSION
 
     def to_bytes(self) -> bytes:

@@ -107,6 +107,8 @@ class WorkerSettings:
     heartbeat_s: float = 2.0
     shutdown_grace_s: float = 30.0
     max_request_bytes: int = 1 << 20
+    #: Published to clients: new requests fail with Busy past this many queued entries (0: no bound).
+    max_backlog: int = 50_000
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -116,7 +118,9 @@ class WorkerSettings:
             raise SettingsError(f"backend={self.backend!r}: expected hf, mock, vllm or sgl")
         validate_name("worker", self.name)
         _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s")
-        _require_non_negative(self, "max_wait_ms", "max_prompt_tokens", "cache_ttl_s")
+        _require_non_negative(
+            self, "max_wait_ms", "max_prompt_tokens", "cache_ttl_s", "max_backlog"
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
@@ -145,12 +149,16 @@ class ClientSettings:
     reply_ttl_s: int = 600
     #: How long `connect` waits for a worker to publish the model.
     connect_timeout_s: float = 10.0
+    #: Backlog bound for admission control; 0 uses the bound the model's workers publish.
+    max_backlog: int = 0
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in ("float32", "float16"):
             raise SettingsError(f"wire_dtype={self.wire_dtype!r}: expected float32 or float16")
         _require_positive(self, "max_inflight", "read_count", "reply_ttl_s")
-        _require_non_negative(self, "timeout_s", "local_cache_size", "connect_timeout_s")
+        _require_non_negative(
+            self, "timeout_s", "local_cache_size", "connect_timeout_s", "max_backlog"
+        )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientSettings:

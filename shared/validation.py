@@ -6,9 +6,15 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from .errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 
-__all__ = ["check_prompt"]
+__all__ = ["check_prompt", "reject_adapter"]
+
+
+def reject_adapter(lora_name: str | None) -> None:
+    """Raise `BadRequest` for a LoRA adapter name: lmqueue serves base models only (for now)."""
+    if lora_name is not None:
+        raise BadRequest(f"LoRA adapter {lora_name!r} is not served; pass lora_name=None")
 
 
 def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.ndarray:

@@ -14,18 +14,11 @@ from typing import Any
 
 import torch
 
-from shared.errors import BadRequest
 from shared.tokens import Token
-from shared.validation import check_prompt
+from shared.validation import check_prompt, reject_adapter
 from shared.vocab import decode_vocab
 
 __all__ = ["AsyncLM", "reject_adapter"]
-
-
-def reject_adapter(lora_name: str | None) -> None:
-    """Raise `BadRequest` for a LoRA adapter name: lmqueue serves base models only."""
-    if lora_name is not None:
-        raise BadRequest(f"LoRA adapter {lora_name!r} is not served; pass lora_name=None")
 
 
 class AsyncLM(ABC):

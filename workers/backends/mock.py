@@ -21,15 +21,15 @@ class MockAsyncLM(AsyncLM):
     """Log-probabilities drawn from a generator seeded by the exact token tuple.
 
     Equal prompts give bit-identical vectors in every process, so results through the queue
-    can be compared with results computed in-process. Two knobs make it a stand-in for a
-    real model in tests and benchmarks:
+    can be compared with results computed in-process. Concurrent calls are batched like a
+    real backend's: one batch at a time, callers arriving meanwhile join the next one.
 
     Args:
         tokenizer: a HuggingFace tokenizer; its vocabulary sizes the vectors.
-        batch_delay_s: sleep this long once per batch, like a GPU busy on a forward pass
-            (no CPU is used while waiting).
-        poison_token: a token id whose presence in a prompt makes the computation fail with
-            `ModelError` (for fault-injection tests); None disables it.
+        batch_delay_s: each batch sleeps this long, like a GPU busy on a forward pass (no CPU
+            is used while waiting), so a worker's throughput is bounded as a real one's is.
+        poison_token: a token id whose presence in a prompt fails the whole batch with
+            `ModelError`, as a bad input can crash a shared forward pass (for fault tests).
     """
 
     backend_name = "mock"
@@ -44,7 +44,9 @@ class MockAsyncLM(AsyncLM):
         super().__init__(tokenizer, **vocab)
         self.batch_delay_s = batch_delay_s
         self.poison_token = poison_token
-        self.batches_computed = 0
+        self.batch_sizes: list[int] = []
+        self._waiting: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
+        self._busy: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
@@ -57,35 +59,66 @@ class MockAsyncLM(AsyncLM):
     def revision(self) -> str:
         return "mock-v1"
 
-    def _logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def logprobs_of(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The deterministic log-probability vector of one prompt."""
         ids = self.check_prompt(token_ids)
-        if self.poison_token is not None and self.poison_token in ids:
-            raise ModelError(f"poison token {self.poison_token} in prompt", poison=True)
         digest = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=8).digest()
         rng = np.random.default_rng(int.from_bytes(digest, "little"))
         logits = torch.from_numpy(rng.standard_normal(self.vector_size, dtype=np.float32) * 3)
         return torch.log_softmax(logits, dim=-1)
 
-    async def next_token_logprobs(
-        self, token_ids: Sequence[int], lora_name: str | None = None
-    ) -> torch.Tensor:
-        reject_adapter(lora_name)
-        return (await self._compute([token_ids]))[0]
-
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
         reject_adapter(lora_name)
-        return self._logprobs(token_ids)
+        self._check_poison([self.check_prompt(token_ids)])
+        return self.logprobs_of(token_ids)
 
-    async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
         reject_adapter(lora_name)
-        return torch.stack(await self._compute(token_ids_list))
+        ids = self.check_prompt(token_ids)
+        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+        self._waiting.append((ids, future))
+        async with self._batch_lock():
+            if not future.done():
+                await self._run_batch()
+        return await future
 
-    async def _compute(self, token_ids_list: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        if self.batch_delay_s:
-            await asyncio.sleep(self.batch_delay_s)
-        self.batches_computed += 1
-        return [self._logprobs(ids) for ids in token_ids_list]
+    def _batch_lock(self) -> asyncio.Lock:
+        """The lock serializing batches on the running loop (tests use several loops)."""
+        loop = asyncio.get_running_loop()
+        if self._busy is None or self._busy[0] is not loop:
+            self._busy = (loop, asyncio.Lock())
+        return self._busy[1]
+
+    async def _run_batch(self) -> None:
+        """Take every waiting call as one batch; on interruption hand them to the next leader."""
+        await asyncio.sleep(0)  # let callers of this same instant join
+        batch, self._waiting = self._waiting, []
+        try:
+            if self.batch_delay_s:
+                await asyncio.sleep(self.batch_delay_s)
+        except BaseException:
+            self._waiting[:0] = batch
+            raise
+        self.batch_sizes.append(len(batch))
+        try:
+            self._check_poison([ids for ids, _ in batch])
+            results: list[Any] = [self.logprobs_of(ids) for ids, _ in batch]
+        except ModelError as exc:
+            results = [exc] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _check_poison(self, prompts: list[list[int]]) -> None:
+        if self.poison_token is None:
+            return
+        if any(self.poison_token in ids for ids in prompts):
+            raise ModelError(f"poison token {self.poison_token} failed the batch", poison=True)

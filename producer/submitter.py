@@ -1,0 +1,112 @@
+"""`Submitter`: sends the client's new requests in micro-batches.
+
+Requests made in the same event-loop pass are sent together: one MGET against the shared
+cache answers the hits without any worker, then one pipeline XADDs the misses to the model's
+request stream (through `Admission`, which refuses batches past the backlog bound). While Redis is unreachable the batch is kept and retried with backoff until
+each request's own deadline settles it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.errors import Busy
+from shared.shared_cache import SharedCache
+from shared.wire import Reply, encode_request
+
+from .admission import Admission
+from .inflight import InflightTable, Pending
+
+__all__ = ["Submitter"]
+
+logger = logging.getLogger(__name__)
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class Submitter:
+    """Owns the send side of one client: a queue of pending requests and one task draining it."""
+
+    def __init__(
+        self, inflight: InflightTable, cache: SharedCache | None, admission: Admission
+    ) -> None:
+        self.inflight = inflight
+        self.cache = cache
+        self.admission = admission
+        self._queue: list[Pending] = []
+        self._wake = asyncio.Event()
+        self.sent = 0
+        self.cache_hits = 0
+
+    def submit(self, pending: Pending) -> None:
+        """Queue a request for the next micro-batch."""
+        self._queue.append(pending)
+        self._wake.set()
+
+    def resubmit(self, pendings: Iterable[Pending]) -> None:
+        """Queue requests again (after a reconnect); request ids make duplicates harmless."""
+        self._queue.extend(pendings)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Drain the queue forever (cancel to stop)."""
+        backoff_s = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = self._live(self._queue)
+            self._queue = []
+            if not batch:
+                continue
+            try:
+                await self._send(batch)
+                backoff_s = 0.05
+            except REDIS_DOWN as exc:
+                logger.warning("submitting %d requests failed (%s); retrying", len(batch), exc)
+                self._queue[:0] = batch
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+                self._wake.set()
+
+    @staticmethod
+    def _live(batch: list[Pending]) -> list[Pending]:
+        """Drop requests already settled (deadline, withdrawal) and duplicates."""
+        seen: set[str] = set()
+        live = []
+        for pending in batch:
+            if not pending.future.done() and pending.request_id not in seen:
+                seen.add(pending.request_id)
+                live.append(pending)
+        return live
+
+    async def _send(self, batch: list[Pending]) -> None:
+        misses = await self._answer_from_cache(batch)
+        if not misses:
+            return
+        try:
+            await self.admission.enqueue([encode_request(p.request)["m"] for p in misses])
+        except Busy as exc:
+            for pending in misses:
+                self.inflight.fail(pending.request_id, Busy(exc.message, **exc.data))
+            return
+        self.sent += len(misses)
+
+    async def _answer_from_cache(self, batch: list[Pending]) -> list[Pending]:
+        """Resolve requests whose log-probabilities the shared cache holds; return the rest."""
+        lookups = [p for p in batch if p.request.kind == "logprobs"]
+        if self.cache is None or not lookups:
+            return batch
+        cache = self.cache
+        keys = [cache.key(p.request.dtype, p.request.token_bytes) for p in lookups]
+        values = await cache.get_many(keys)
+        hits = set()
+        for pending, value in zip(lookups, values, strict=True):
+            if value is not None:
+                hits.add(pending.request_id)
+                self.inflight.resolve(Reply(pending.request_id, value, pending.request.dtype, cached=True))
+        self.cache_hits += len(hits)
+        return [p for p in batch if p.request_id not in hits]

@@ -1,0 +1,7 @@
+"""``python -m workers``: run one worker process."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

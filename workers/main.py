@@ -1,0 +1,111 @@
+"""The worker process: ``lmq worker`` / ``python -m workers``.
+
+Settings come from ``LMQ_*`` environment variables, overridden by command-line flags. SIGTERM
+and SIGINT set the stop event: the worker stops reading, finishes in-flight batches within
+``shutdown_grace_s``, leaves the live-worker set and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from shared.connections import async_redis
+from shared.errors import LMQueueError
+from shared.settings import SettingsError, WorkerSettings
+
+from .backend_loader import load_backend
+from .worker import Worker
+
+__all__ = ["main", "build_parser", "run_worker"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The worker's flags; each overrides the LMQ_* variable of the same name."""
+    parser = parser or argparse.ArgumentParser(prog="lmq worker", description=__doc__)
+    parser.add_argument("--model", help="model alias, directory or hub id (LMQ_MODEL)")
+    parser.add_argument("--backend", choices=["hf", "mock", "vllm", "sgl"], help="(LMQ_BACKEND)")
+    parser.add_argument("--redis-url", help="queue Redis (LMQ_REDIS_URL or REDIS_URL)")
+    parser.add_argument("--cache-url", help="shared-cache Redis, default: the queue's (LMQ_CACHE_URL)")
+    parser.add_argument("--name", help="stable consumer name (LMQ_NAME), default host-pid")
+    parser.add_argument("--batch-size", type=int, help="entries per read (LMQ_BATCH_SIZE)")
+    parser.add_argument("--max-wait-ms", type=int, help="wait to fill a batch (LMQ_MAX_WAIT_MS)")
+    parser.add_argument("--device", help="torch device for hf, e.g. cuda:0 (LMQ_DEVICE)")
+    parser.add_argument("--backend-opts", help="JSON object of backend options (LMQ_BACKEND_OPTS)")
+    parser.add_argument("--log-level", default=os.environ.get("LMQ_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> WorkerSettings:
+    """Environment settings with the given flags applied on top."""
+    env = dict(environ)
+    if args.redis_url:
+        env["LMQ_REDIS_URL"] = args.redis_url
+    if args.cache_url:
+        env["LMQ_CACHE_URL"] = args.cache_url
+    overrides: dict[str, Any] = {}
+    for name in ("model", "backend", "name", "batch_size", "max_wait_ms", "device"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    if args.backend_opts:
+        try:
+            overrides["backend_opts"] = json.loads(args.backend_opts)
+        except json.JSONDecodeError as exc:
+            raise SettingsError(f"--backend-opts={args.backend_opts!r}: {exc}") from None
+    return WorkerSettings.from_env(env, **overrides)
+
+
+async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
+    """Load the backend, serve until `stop` (or SIGTERM/SIGINT), then release everything."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("loading %s backend for %s", settings.backend, settings.model)
+    backend = await asyncio.to_thread(load_backend, settings)
+    redis = async_redis(settings.redis.url, settings.redis.connect_timeout_s)
+    cache_redis = None
+    if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
+        cache_redis = async_redis(settings.redis.cache_url, settings.redis.connect_timeout_s)
+    try:
+        await Worker(settings, backend, redis, cache_redis, masses=_masses(backend)).serve(stop)
+    finally:
+        await backend.aclose()
+        await redis.aclose()
+        if cache_redis is not None:
+            await cache_redis.aclose()
+        logger.info("worker %s stopped", settings.name)
+
+
+def _masses(backend: Any) -> Any:
+    """The trie-mass computer over the backend's vocabulary (wired with the tries)."""
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a worker; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    try:
+        settings = settings_from_args(args, dict(os.environ))
+        asyncio.run(run_worker(settings))
+    except (SettingsError, LMQueueError) as exc:
+        print(f"lmq worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""`BatchProcessor`: from a batch of raw stream entries to an `Outcome`.
+
+The steps, each cheap before the expensive one:
+
+1. admit: decode, size-check, deadline-check and validate every entry; a bad entry gets its
+   typed error reply (or a dead letter when it names no client) and never reaches the model;
+2. look up every distinct prompt in the shared cache with one MGET;
+3. compute each distinct missing prompt once through the backend (concurrent calls, which the
+   backend batches); when a shared forward fails, bisect to find the request that poisons it,
+   so the others still get results;
+4. encode vectors once per (prompt, dtype) and answer every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from shared.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    LMQueueError,
+    MalformedMessage,
+    ModelError,
+    OversizeRequest,
+)
+from shared.keys import validate_name
+from shared.shared_cache import SharedCache
+from shared.validation import check_prompt
+from shared.wire import Request, bytes_to_vector, decode_request, vector_to_bytes
+
+from .backends.base import AsyncLM
+from .outcome import Outcome
+from .request_stream import Entry
+
+__all__ = ["BatchProcessor", "MassComputer"]
+
+logger = logging.getLogger(__name__)
+
+
+class MassComputer(Protocol):
+    """Turns next-token log-probabilities into token-character trie masses."""
+
+    async def masses(
+        self, logprobs: np.ndarray, op: str, nodes: np.ndarray | None
+    ) -> np.ndarray:  # pragma: no cover - protocol
+        """Masses of the requested nodes (all if None) for one log-probability vector."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """An admitted request and the entry it came from."""
+
+    entry: Entry
+    request: Request
+
+
+class BatchProcessor:
+    """Answers batches of request entries with one backend and an optional shared cache."""
+
+    def __init__(
+        self,
+        backend: AsyncLM,
+        cache: SharedCache | None,
+        max_prompt_tokens: int = 0,
+        max_request_bytes: int = 1 << 20,
+        masses: MassComputer | None = None,
+    ) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.max_prompt_tokens = max_prompt_tokens or backend.max_prompt_tokens
+        self.max_request_bytes = max_request_bytes
+        self.mass_computer = masses
+
+    async def process(self, entries: Sequence[Entry]) -> Outcome:
+        """Answer every entry; never raises for a request's fault."""
+        outcome = Outcome(acks=[entry.entry_id for entry in entries])
+        jobs = [job for entry in entries if (job := self._admit(entry, outcome)) is not None]
+        if jobs:
+            await self._answer(jobs, outcome)
+        return outcome
+
+    # -- 1. admission ------------------------------------------------------------------------------
+    def _admit(self, entry: Entry, outcome: Outcome) -> Job | None:
+        try:
+            request = decode_request(entry.fields)
+            validate_name("client", request.client_id)
+        except MalformedMessage as exc:
+            client, request_id = exc.data.get("client_id"), exc.data.get("request_id")
+            if isinstance(client, str) and isinstance(request_id, str) and _valid_client(client):
+                outcome.error(client, request_id, exc)
+            else:
+                logger.info("dead-lettering entry %s: %s", entry.entry_id, exc.message)
+                outcome.dead_letter(entry, exc)
+            return None
+        except ValueError as exc:  # an invalid client name
+            outcome.dead_letter(entry, MalformedMessage(str(exc)))
+            return None
+        try:
+            self._check(entry, request)
+        except LMQueueError as exc:
+            logger.info("request %s refused: %s", request.request_id, exc.message)
+            outcome.error(request.client_id, request.request_id, exc)
+            return None
+        return Job(entry, request)
+
+    def _check(self, entry: Entry, request: Request) -> None:
+        size = sum(len(value) for value in entry.fields.values())
+        if size > self.max_request_bytes:
+            raise OversizeRequest(
+                f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
+                size=size,
+                limit=self.max_request_bytes,
+            )
+        if request.deadline_ms and request.deadline_ms < time.time() * 1000:
+            raise DeadlineExceeded("the request's deadline passed before a worker took it")
+        check_prompt(request.tokens, self.backend.vocab_size, self.max_prompt_tokens)
+        if request.kind == "mass" and self.mass_computer is None:
+            raise BadRequest("this worker serves no trie mass requests")
+
+    # -- 2-4. answering ------------------------------------------------------------------------------
+    async def _answer(self, jobs: list[Job], outcome: Outcome) -> None:
+        wanted = {(job.request.token_bytes, _vector_dtype(job.request)) for job in jobs}
+        payloads = await self._cached_payloads(wanted)
+        missing = sorted({prompt for prompt, dtype in wanted if (prompt, dtype) not in payloads})
+        computed = await self._compute(missing)
+        for prompt in missing:
+            result = computed[prompt]
+            if isinstance(result, BaseException):
+                continue
+            for dtype in {d for p, d in wanted if p == prompt}:
+                payload = vector_to_bytes(result, dtype)
+                payloads[(prompt, dtype)] = payload
+                if self.cache is not None:
+                    outcome.cache_puts.append((self.cache.key(dtype, prompt), payload))
+        for job in jobs:
+            await self._reply(job, payloads, computed, outcome)
+
+    async def _cached_payloads(self, wanted: set[tuple[bytes, str]]) -> dict[tuple[bytes, str], bytes]:
+        if self.cache is None:
+            return {}
+        keys = sorted(wanted)
+        values = await self.cache.get_many([self.cache.key(dtype, prompt) for prompt, dtype in keys])
+        return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
+
+    async def _reply(
+        self,
+        job: Job,
+        payloads: dict[tuple[bytes, str], bytes],
+        computed: dict[bytes, Any],
+        outcome: Outcome,
+    ) -> None:
+        request = job.request
+        failure = computed.get(request.token_bytes)
+        if isinstance(failure, BaseException):
+            outcome.error(request.client_id, request.request_id, failure)
+            return
+        payload = payloads[(request.token_bytes, _vector_dtype(request))]
+        cached = request.token_bytes not in computed
+        if request.kind == "logprobs":
+            outcome.result(request.client_id, request.request_id, payload, request.dtype, cached)
+            return
+        assert self.mass_computer is not None
+        try:
+            logprobs = bytes_to_vector(payload, "float32")
+            masses = await self.mass_computer.masses(logprobs, request.mass_op, request.nodes)
+        except LMQueueError as exc:
+            outcome.error(request.client_id, request.request_id, exc)
+            return
+        outcome.result(
+            request.client_id, request.request_id, vector_to_bytes(masses, request.dtype),
+            request.dtype, cached,
+        )  # fmt: skip
+
+    async def _compute(self, prompts: list[bytes]) -> dict[bytes, Any]:
+        """Log-probabilities (tensor) or the final error of each distinct prompt."""
+        if not prompts:
+            return {}
+        results = await self._run(prompts)
+        shared_failures = [p for p in prompts if _is_forward_failure(results[p])]
+        if len(shared_failures) > 1:
+            logger.info("a forward of %d prompts failed; bisecting", len(shared_failures))
+            results.update(await self._isolate(shared_failures))
+        return {p: _final(r) for p, r in results.items()}
+
+    async def _run(self, prompts: list[bytes]) -> dict[bytes, Any]:
+        ids = [bytes_to_ids_list(p) for p in prompts]
+        outputs = await asyncio.gather(
+            *(self.backend.next_token_logprobs(i) for i in ids), return_exceptions=True
+        )
+        return dict(zip(prompts, outputs, strict=True))
+
+    async def _isolate(self, prompts: list[bytes]) -> dict[bytes, Any]:
+        """Re-run failed prompts in halves, one half at a time, until each failure is alone."""
+        if len(prompts) == 1:
+            return await self._run(prompts)
+        middle = len(prompts) // 2
+        results: dict[bytes, Any] = {}
+        for half in (prompts[:middle], prompts[middle:]):
+            outputs = await self._run(half)
+            failed = [p for p in half if _is_forward_failure(outputs[p])]
+            results.update(outputs)
+            if len(failed) > 1:
+                results.update(await self._isolate(failed))
+        return results
+
+
+def bytes_to_ids_list(token_bytes: bytes) -> list[int]:
+    """The prompt's ids as a list of Python ints."""
+    return np.frombuffer(token_bytes, dtype="<i4").tolist()
+
+
+def _vector_dtype(request: Request) -> str:
+    """The dtype of the log-probability payload a request needs (masses need float32)."""
+    return request.dtype if request.kind == "logprobs" else "float32"
+
+
+def _valid_client(client_id: str) -> bool:
+    try:
+        validate_name("client", client_id)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_forward_failure(result: Any) -> bool:
+    """An exception that may come from a shared forward rather than this request itself."""
+    return isinstance(result, Exception) and not isinstance(result, BadRequest)
+
+
+def _final(result: Any) -> Any:
+    """Results pass; exceptions become lmqueue errors (foreign ones as ModelError)."""
+    if isinstance(result, torch.Tensor) or not isinstance(result, BaseException):
+        return result
+    if isinstance(result, LMQueueError):
+        return result
+    if not isinstance(result, Exception):
+        raise result  # CancelledError and friends are not a request's outcome
+    error = ModelError(f"{type(result).__name__}: {result}")
+    error.__cause__ = result
+    return error

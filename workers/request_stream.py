@@ -1,0 +1,144 @@
+"""`RequestStream`: one worker's view of its model's request stream and consumer group.
+
+Every worker of a model reads the same stream through the consumer group ``workers`` under a
+stable consumer name, so a restarted worker finds its own unacknowledged entries and a
+janitor can hand a dead worker's entries to a live one. Entries are deleted once acknowledged
+(XACK + XDEL): the stream is never capped with MAXLEN, which would drop pending work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from shared.keys import WORKER_GROUP
+
+__all__ = ["Entry", "PendingInfo", "RequestStream"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stream entry as read: its id and raw fields."""
+
+    entry_id: str
+    fields: dict[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingInfo:
+    """What XPENDING says about one entry."""
+
+    entry_id: str
+    consumer: str
+    idle_ms: int
+    deliveries: int
+
+
+def _entries(raw: Any) -> list[Entry]:
+    """Entries from an XREADGROUP/XCLAIM reply, skipping ids whose fields were deleted."""
+    entries = []
+    for entry_id, fields in raw or []:
+        if fields is None:  # the id is pending but the entry was deleted
+            continue
+        key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        entries.append(Entry(key, fields))
+    return entries
+
+
+class RequestStream:
+    """Consumer-group operations on one request stream, as consumer `consumer`."""
+
+    def __init__(self, redis: Any, stream: str, consumer: str, group: str = WORKER_GROUP) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.consumer = consumer
+        self.group = group
+
+    async def ensure_group(self) -> None:
+        """Create the stream and group if missing (first start, or after a Redis restart)."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+            logger.info("created consumer group %s on %s", self.group, self.stream)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` never-delivered entries, blocking up to `block_ms` (None: no block)."""
+        reply = await self._read(">", count, block_ms)
+        return reply
+
+    async def read_own_pending(self, count: int) -> list[Entry]:
+        """Entries delivered to this consumer earlier and never acknowledged."""
+        return await self._read("0", count, None)
+
+    async def _read(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+        try:
+            reply = await self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            logger.warning("consumer group vanished (Redis restarted?); recreating it")
+            await self.ensure_group()
+            return []
+        if not reply:
+            return []
+        return _entries(reply[0][1])
+
+    def ack(self, pipe: Any, entry_ids: Sequence[str]) -> None:
+        """Queue XACK and XDEL of `entry_ids` on a pipeline: done, and gone from the stream."""
+        if entry_ids:
+            pipe.xack(self.stream, self.group, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+
+    async def touch(self, entry_ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this worker still works on, so none reclaims them."""
+        if entry_ids:
+            await self.redis.xclaim(
+                self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True
+            )
+
+    async def autoclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
+        """Take over up to `count` entries idle for `min_idle_ms` from any consumer."""
+        try:
+            reply = await self.redis.xautoclaim(
+                self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_group()
+            return []
+        return _entries(reply[1])
+
+    async def pending_info(self, entry_ids: Sequence[str]) -> dict[str, PendingInfo]:
+        """Delivery counts and owners of `entry_ids` (absent ids are not pending)."""
+        if not entry_ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
+            replies = await pipe.execute()
+        info = {}
+        for rows in replies:
+            for row in rows:
+                entry_id = row["message_id"]
+                entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                consumer = row["consumer"]
+                consumer = consumer.decode() if isinstance(consumer, bytes) else consumer
+                info[entry_id] = PendingInfo(
+                    entry_id, consumer, int(row["time_since_delivered"]), int(row["times_delivered"])
+                )
+        return info
+
+    async def backlog(self) -> int:
+        """Entries in the stream: pending plus not yet delivered (acked ones are deleted)."""
+        return int(await self.redis.xlen(self.stream))

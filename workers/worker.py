@@ -1,0 +1,272 @@
+"""`Worker`: one model's request stream -> batches -> backend -> replies, on one event loop.
+
+The loop reads batches through the consumer group and hands each to a task, keeping at most
+`prefetch` batches in flight: while the backend computes one batch (off the loop, on its own
+thread or device), the next is already read, decoded and looked up in the cache. Beside the
+read loop run a heartbeat (which also re-publishes the model after a Redis restart) and a
+janitor that reclaims entries abandoned by dead workers.
+
+Delivery is at least once: entries are acknowledged only after their replies are written, so
+a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
+the same name) to answer. Clients resolve each request id once, so a second answer is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
+from shared.settings import WorkerSettings
+from shared.shared_cache import SharedCache
+
+from .backends.base import AsyncLM
+from .janitor import Janitor
+from .outcome import Outcome
+from .processor import BatchProcessor, MassComputer
+from .request_stream import Entry, RequestStream
+
+__all__ = ["Worker"]
+
+logger = logging.getLogger(__name__)
+
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+_IDLE_BLOCK_MS = 500
+
+
+class Worker:
+    """Serves one model from its request stream until told to stop."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        backend: AsyncLM,
+        redis: Any,
+        cache_redis: Any | None = None,
+        masses: MassComputer | None = None,
+        prefetch: int = 2,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.redis = redis
+        self.keys = settings.redis.keyspace()
+        self.stream = RequestStream(redis, self.keys.requests(settings.model), settings.name)
+        self.registry = ModelRegistry(redis, self.keys)
+        self.info = self._model_info()
+        cache = None
+        if settings.cache_writes:
+            cache = SharedCache(cache_redis or redis, self.keys, settings.model, self.info.revision)
+        self.processor = BatchProcessor(
+            backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses
+        )
+        self.janitor = Janitor(self.stream, self.keys, settings)
+        self.prefetch = prefetch
+        self.answered = 0
+        self._tokenizer_files: dict[str, bytes] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+
+    def _model_info(self) -> ModelInfo:
+        backend, settings = self.backend, self.settings
+        limits = [n for n in (settings.max_prompt_tokens, backend.max_prompt_tokens) if n]
+        eos = getattr(backend.tokenizer, "eos_token_id", None)
+        return ModelInfo(
+            name=settings.model,
+            revision=backend.revision,
+            backend=settings.backend,
+            vocab_size=backend.vocab_size,
+            vector_size=backend.vector_size,
+            max_prompt_tokens=min(limits) if limits else 0,
+            eos_token_ids=[eos] if isinstance(eos, int) else [],
+            max_backlog=settings.max_backlog,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def publish(self) -> None:
+        """Create the stream and group, and publish the model for clients."""
+        if self._tokenizer_files is None:
+            self._tokenizer_files = await asyncio.to_thread(
+                tokenizer_to_files, self.backend.tokenizer
+            )
+        await self.stream.ensure_group()
+        vocab = [bytes(token) for token in self.backend.byte_vocab]
+        await self.registry.publish(self.info, self._tokenizer_files, vocab)
+        await self.registry.heartbeat(self.info.name, self.settings.name)
+        logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
+                    self.settings.name)  # fmt: skip
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then finish in-flight batches within the grace period."""
+        await self._retry_until_up(self.publish, stop)
+        background = [
+            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._janitor_loop(stop), name="janitor"),
+        ]
+        try:
+            await self._drain_own_pending()
+            await self._read_loop(stop)
+        finally:
+            await self._finish_inflight()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            with contextlib.suppress(*_REDIS_DOWN):
+                await self.registry.leave(self.info.name, self.settings.name)
+
+    async def run_until_idle(self) -> int:
+        """Burst mode for tests and batch jobs: answer everything queued now, then return.
+
+        Returns:
+            The number of entries answered.
+        """
+        await self.publish()
+        before = self.answered
+        await self._drain_own_pending()
+        while entries := await self._read_batch(block_ms=None):
+            await self._handle(entries)
+        return self.answered - before
+
+    # -- reading ---------------------------------------------------------------------------------
+    async def _drain_own_pending(self) -> None:
+        """Answer entries this consumer took before a crash or restart, before new work."""
+        while entries := await self.stream.read_own_pending(self.settings.batch_size):
+            logger.info("re-answering %d entries pending from a previous run", len(entries))
+            await self._handle(entries)
+
+    async def _read_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if len(self._inflight) >= self.prefetch:
+                await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                entries = await self._read_batch(block_ms=_IDLE_BLOCK_MS)
+            except _REDIS_DOWN as exc:
+                logger.warning("reading requests failed (%s); retrying", exc)
+                await _sleep_unless(stop, 0.5)
+                continue
+            if entries:
+                task = asyncio.create_task(self._handle(entries))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+
+    async def _read_batch(self, block_ms: int | None) -> list[Entry]:
+        """Up to batch_size entries: block for the first, then wait max_wait_ms for more."""
+        size = self.settings.batch_size
+        entries = await self.stream.read_new(size, block_ms)
+        if entries and len(entries) < size and self.settings.max_wait_ms:
+            await asyncio.sleep(self.settings.max_wait_ms / 1000)
+            entries += await self.stream.read_new(size - len(entries), None)
+        return entries
+
+    # -- answering -------------------------------------------------------------------------------
+    async def _handle(self, entries: Sequence[Entry]) -> None:
+        """Process one batch and write its outcome; keep its claims fresh meanwhile."""
+        keepalive = asyncio.create_task(self._keep_claims([e.entry_id for e in entries]))
+        try:
+            outcome = await self.processor.process(entries)
+        finally:
+            keepalive.cancel()
+            await asyncio.gather(keepalive, return_exceptions=True)
+        await self._flush(outcome)
+        self.answered += len(outcome.acks)
+
+    async def _keep_claims(self, entry_ids: list[str]) -> None:
+        """Reset the entries' idle time while a long batch runs, so no janitor steals them."""
+        interval_s = self.settings.claim_idle_ms / 3000
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(*_REDIS_DOWN):
+                await self.stream.touch(entry_ids)
+
+    async def _flush(self, outcome: Outcome, attempts: int = 20) -> None:
+        """Write cache entries, replies, dead letters and acks; retry while Redis is down."""
+        if outcome.cache_puts and self.processor.cache is not None:
+            await self.processor.cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
+        for attempt in range(attempts):
+            try:
+                await self._write(outcome)
+                return
+            except _REDIS_DOWN as exc:
+                logger.warning("writing replies failed (%s); attempt %d", exc, attempt + 1)
+                await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+        logger.error("gave up writing %d replies; their entries stay pending", len(outcome.replies))
+
+    async def _write(self, outcome: Outcome) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            reply_keys = set()
+            for client_id, fields in outcome.replies:
+                key = self.keys.replies(client_id)
+                reply_keys.add(key)
+                pipe.xadd(key, fields)
+            for key in reply_keys:
+                pipe.expire(key, self.settings.reply_ttl_s)
+            dead_stream = self.keys.dead_letters(self.settings.model)
+            for entry, reason in outcome.dead:
+                fields = {**entry.fields, b"lmq.reason": reason.encode(),
+                          b"lmq.entry_id": entry.entry_id.encode()}  # fmt: skip
+                pipe.xadd(dead_stream, fields)
+            self.stream.ack(pipe, outcome.acks)
+            await pipe.execute()
+
+    async def _finish_inflight(self) -> None:
+        """Give in-flight batches the grace period, then cancel them (they stay pending)."""
+        if not self._inflight:
+            return
+        done, pending = await asyncio.wait(self._inflight, timeout=self.settings.shutdown_grace_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*done, *pending, return_exceptions=True)
+        if pending:
+            logger.warning("cancelled %d batches at shutdown; they stay pending", len(pending))
+
+    # -- background ------------------------------------------------------------------------------
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                if not await self.registry.is_published(self.info.name):
+                    logger.warning("model registry entry missing (Redis restarted?); re-publishing")
+                    await self.publish()
+                await self.registry.heartbeat(self.info.name, self.settings.name)
+            except _REDIS_DOWN as exc:
+                logger.warning("heartbeat failed: %s", exc)
+            await _sleep_unless(stop, self.settings.heartbeat_s)
+
+    async def _janitor_loop(self, stop: asyncio.Event) -> None:
+        interval_s = max(self.settings.claim_idle_ms / 2000, 0.05)
+        while not stop.is_set():
+            await _sleep_unless(stop, interval_s)
+            if stop.is_set():
+                return
+            try:
+                reclaimed, parked = await self.janitor.sweep()
+                if parked.replies or parked.dead:
+                    await self._flush(parked)
+                if reclaimed:
+                    await self._handle(reclaimed)
+            except _REDIS_DOWN as exc:
+                logger.warning("janitor sweep failed: %s", exc)
+
+    async def _retry_until_up(self, action: Any, stop: asyncio.Event) -> None:
+        delay_s = 0.1
+        while True:
+            try:
+                await action()
+                return
+            except _REDIS_DOWN as exc:
+                if stop.is_set():
+                    raise
+                logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
+                await _sleep_unless(stop, delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, waking early when `stop` is set."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+

@@ -22,12 +22,13 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-__all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "token_digest"]
+__all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "validate_client_id", "token_digest"]
 
 #: The consumer group every worker of a model joins on its request stream.
 WORKER_GROUP = "workers"
 
 _NAME = re.compile(r"^[A-Za-z0-9._/@+=-]{1,200}$")
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def validate_name(kind: str, name: str) -> str:
@@ -35,6 +36,16 @@ def validate_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"invalid {kind} name {name!r}: use 1-200 of A-Z a-z 0-9 . _ / @ + = -")
     return name
+
+
+def validate_client_id(client_id: str) -> str:
+    """Return `client_id` if it may name a reply stream, else raise ValueError.
+
+    Stricter than model names: it comes from the wire, and a worker writes to the key it names.
+    """
+    if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
+        raise ValueError(f"invalid client id {client_id!r}: use 1-64 of A-Z a-z 0-9 _ -")
+    return client_id
 
 
 def token_digest(token_bytes: bytes) -> str:

@@ -32,7 +32,7 @@ from shared.errors import (
     ModelError,
     OversizeRequest,
 )
-from shared.keys import validate_name
+from shared.keys import validate_client_id
 from shared.shared_cache import SharedCache
 from shared.validation import check_prompt
 from shared.wire import Request, bytes_to_vector, decode_request, vector_to_bytes
@@ -93,7 +93,7 @@ class BatchProcessor:
     def _admit(self, entry: Entry, outcome: Outcome) -> Job | None:
         try:
             request = decode_request(entry.fields)
-            validate_name("client", request.client_id)
+            validate_client_id(request.client_id)
         except MalformedMessage as exc:
             client, request_id = exc.data.get("client_id"), exc.data.get("request_id")
             if isinstance(client, str) and isinstance(request_id, str) and _valid_client(client):
@@ -226,7 +226,7 @@ def _vector_dtype(request: Request) -> str:
 
 def _valid_client(client_id: str) -> bool:
     try:
-        validate_name("client", client_id)
+        validate_client_id(client_id)
     except ValueError:
         return False
     return True

@@ -40,6 +40,12 @@ class PendingInfo:
     deliveries: int
 
 
+def _stream_vanished(error: ResponseError) -> bool:
+    """Whether the stream or its group was deleted under us (flush, or restart without data)."""
+    text = str(error)
+    return text.startswith(("NOGROUP", "UNBLOCKED"))
+
+
 def _entries(raw: Any) -> list[Entry]:
     """Entries from an XREADGROUP/XCLAIM reply, skipping ids whose fields were deleted."""
     entries = []
@@ -71,8 +77,7 @@ class RequestStream:
 
     async def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` never-delivered entries, blocking up to `block_ms` (None: no block)."""
-        reply = await self._read(">", count, block_ms)
-        return reply
+        return await self._read(">", count, block_ms)
 
     async def read_own_pending(self, count: int) -> list[Entry]:
         """Entries delivered to this consumer earlier and never acknowledged."""
@@ -84,9 +89,9 @@ class RequestStream:
                 self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
             )
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _stream_vanished(exc):
                 raise
-            logger.warning("consumer group vanished (Redis restarted?); recreating it")
+            logger.warning("request stream or group vanished (Redis restarted?); recreating it")
             await self.ensure_group()
             return []
         if not reply:
@@ -113,7 +118,7 @@ class RequestStream:
                 self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
             )
         except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _stream_vanished(exc):
                 raise
             await self.ensure_group()
             return []

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
@@ -145,7 +146,7 @@ class Worker:
                 continue
             try:
                 entries = await self._read_batch(block_ms=_IDLE_BLOCK_MS)
-            except _REDIS_DOWN as exc:
+            except (*_REDIS_DOWN, ResponseError) as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
                 await _sleep_unless(stop, 0.5)
                 continue

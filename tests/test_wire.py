@@ -1,0 +1,177 @@
+"""Wire formats: round trips, and every malformed input ends in MalformedMessage."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.errors import (
+    Busy,
+    DeadlineExceeded,
+    LMQueueError,
+    MalformedMessage,
+    ModelError,
+    TokenOutOfVocabulary,
+)
+from shared.wire import (
+    Request,
+    bytes_to_ids,
+    bytes_to_vector,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_request,
+    encode_result,
+    ids_to_bytes,
+    vector_to_bytes,
+)
+
+
+def _as_read(fields: dict[str, bytes]) -> dict[bytes, bytes]:
+    """Fields as redis-py returns them: bytes keys."""
+    return {key.encode(): value for key, value in fields.items()}
+
+
+def test_a_logprobs_request_survives_the_round_trip():
+    request = Request("c1:7", "c1", ids_to_bytes([5, 9, 49151]), "logprobs", "float16", 123)
+    decoded = decode_request(_as_read(encode_request(request)))
+    assert decoded == request
+    assert decoded.tokens.tolist() == [5, 9, 49151]
+
+
+def test_a_mass_request_keeps_its_op_and_nodes():
+    request = Request("c:1", "c", ids_to_bytes([1]), "mass", "float64", 0, "max", ids_to_bytes([0, 4]))
+    decoded = decode_request(_as_read(encode_request(request)))
+    assert decoded.mass_op == "max"
+    assert decoded.nodes is not None and decoded.nodes.tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_vectors_travel_as_raw_little_endian_bytes(dtype):
+    vector = np.linspace(-20, 0, 1000, dtype=np.float64)
+    raw = vector_to_bytes(vector, dtype)
+    assert len(raw) == 1000 * np.dtype(dtype).itemsize
+    assert raw == vector.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    fields = _as_read(encode_result("r", raw, dtype))
+    reply = decode_reply(fields)
+    assert reply.ok and reply.dtype == dtype
+    np.testing.assert_allclose(reply.vector(), vector, rtol=1e-3, atol=1e-2)
+
+
+def test_torch_tensors_encode_like_numpy_arrays():
+    torch = pytest.importorskip("torch")
+    tensor = torch.log_softmax(torch.randn(300), dim=0)
+    assert vector_to_bytes(tensor, "float32") == tensor.numpy().astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize(
+    "error", [TokenOutOfVocabulary("bad id", token_id=5), Busy("full"), DeadlineExceeded("late")]
+)
+def test_errors_come_back_as_the_same_type_with_their_data(error):
+    reply = decode_reply(_as_read(encode_error("r1", error)))
+    assert not reply.ok
+    assert type(reply.error) is type(error)
+    assert reply.error.message == error.message and reply.error.data == error.data
+
+
+def test_foreign_exceptions_travel_as_model_errors():
+    reply = decode_reply(_as_read(encode_error("r1", KeyError("boom"))))
+    assert isinstance(reply.error, ModelError)
+    assert "KeyError" in reply.error.message
+
+
+def test_a_builtin_error_hierarchy_is_kept_for_drop_in_compatibility():
+    assert issubclass(TokenOutOfVocabulary, ValueError)
+    assert issubclass(DeadlineExceeded, TimeoutError)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {b"m": b""},
+        {b"m": b"\xc1"},
+        {b"m": msgpack.packb([1, 2])},
+        {b"m": msgpack.packb({"v": 99})},
+        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "nope"})},
+        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
+                              "tokens": b"\x01\x02\x03", "dtype": "float32", "deadline_ms": 0})},
+        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
+                              "tokens": b"\x01\x00\x00\x00", "dtype": "int8", "deadline_ms": 0})},
+        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
+                              "tokens": b"\x01\x00\x00\x00", "dtype": "float32",
+                              "deadline_ms": True})},
+    ],
+)  # fmt: skip
+def test_malformed_requests_raise_malformed_message(fields):
+    with pytest.raises(MalformedMessage):
+        decode_request(fields)
+
+
+def test_a_malformed_request_still_names_its_sender_when_it_can():
+    fields = {b"m": msgpack.packb({"v": 1, "id": "c:3", "client": "c", "kind": "bogus"})}
+    with pytest.raises(MalformedMessage) as caught:
+        decode_request(fields)
+    assert caught.value.data == {"request_id": "c:3", "client_id": "c"}
+
+
+def test_ids_and_vectors_of_wrong_length_are_refused():
+    with pytest.raises(MalformedMessage):
+        bytes_to_ids(b"\x00" * 5)
+    with pytest.raises(MalformedMessage):
+        bytes_to_vector(b"\x00" * 6, "float32")
+    with pytest.raises(MalformedMessage):
+        bytes_to_vector(b"\x00" * 8, "complex")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.binary(max_size=4), st.binary(max_size=64), max_size=4))
+def test_fuzzed_request_fields_never_crash_the_decoder(fields):
+    try:
+        request = decode_request(fields)
+    except MalformedMessage:
+        return
+    assert isinstance(request, Request)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=6),
+    max_leaves=20,
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(_json, st.one_of(st.none(), st.binary(max_size=16)))
+def test_fuzzed_msgpack_envelopes_never_crash_either_decoder(envelope, payload):
+    packed = msgpack.packb(envelope, use_bin_type=True)
+    for decode, fields in (
+        (decode_request, {b"m": packed}),
+        (decode_reply, {b"h": packed, **({b"d": payload} if payload is not None else {})}),
+    ):
+        try:
+            decoded = decode(fields)
+        except MalformedMessage:
+            continue
+        assert decoded is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {"v": st.just(1), "id": st.text(max_size=5), "ok": st.booleans(),
+         "dtype": st.sampled_from(["float32", "float16", "bogus"]),
+         "error": _json},
+    ),
+    st.binary(max_size=32),
+)  # fmt: skip
+def test_fuzzed_reply_headers_end_in_a_reply_or_malformed_message(header, payload):
+    fields = {b"h": msgpack.packb(header, use_bin_type=True), b"d": payload}
+    try:
+        reply = decode_reply(fields)
+    except MalformedMessage:
+        return
+    assert reply.ok or isinstance(reply.error, LMQueueError)

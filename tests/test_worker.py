@@ -1,0 +1,164 @@
+"""The worker against a real redis-server: replies, acks, cache, registry, dead letters, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+from shared.keys import KeySpace
+from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
+from shared.settings import RedisSettings, WorkerSettings
+from shared.shared_cache import SharedCache
+from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from workers.backends.mock import MockAsyncLM
+from workers.worker import Worker
+
+KEYS = KeySpace()
+MODEL = "mock"
+
+
+@pytest.fixture
+def backend(smol_tokenizer):
+    return MockAsyncLM(smol_tokenizer)
+
+
+@pytest.fixture
+def make_worker(aredis, redis_url, backend):
+    def make(name: str = "w1", **settings) -> Worker:
+        ws = WorkerSettings(model=MODEL, backend="mock", redis=RedisSettings(url=redis_url),
+                            name=name, **settings)  # fmt: skip
+        return Worker(ws, backend, aredis)
+
+    return make
+
+
+async def _enqueue(aredis, tokens_list, client="c1", **fields):
+    for n, tokens in enumerate(tokens_list):
+        request = Request(f"{client}:{n}", client, ids_to_bytes(tokens), **fields)
+        await aredis.xadd(KEYS.requests(MODEL), encode_request(request))
+
+
+async def _replies(aredis, client="c1"):
+    entries = await aredis.xrange(KEYS.replies(client))
+    return {reply.request_id: reply for reply in (decode_reply(fields) for _, fields in entries)}
+
+
+async def test_queued_requests_are_answered_acked_and_deleted(aredis, make_worker, backend):
+    worker = make_worker()
+    await worker.publish()
+    await _enqueue(aredis, [[1, 2, n] for n in range(40)])
+    assert await worker.run_until_idle() == 40
+    replies = await _replies(aredis)
+    assert len(replies) == 40
+    np.testing.assert_array_equal(replies["c1:3"].vector(), backend.logprobs_of([1, 2, 3]))
+    assert await aredis.xlen(KEYS.requests(MODEL)) == 0
+    pending = await aredis.xpending(KEYS.requests(MODEL), "workers")
+    assert pending["pending"] == 0
+    assert 0 < await aredis.ttl(KEYS.replies("c1")) <= 600
+
+
+async def test_results_are_written_to_the_shared_cache_with_a_ttl(aredis, make_worker, backend):
+    worker = make_worker(cache_ttl_s=100)
+    await worker.publish()
+    await _enqueue(aredis, [[4, 5]], dtype="float16")
+    await worker.run_until_idle()
+    cache = SharedCache(aredis, KEYS, MODEL, backend.revision)
+    key = cache.key("float16", ids_to_bytes([4, 5]))
+    value = await aredis.get(key)
+    assert value == backend.logprobs_of([4, 5]).numpy().astype("<f2").tobytes()
+    assert 0 < await aredis.ttl(key) <= 100
+
+
+async def test_a_cached_prompt_is_answered_without_the_backend(aredis, make_worker, backend):
+    worker = make_worker()
+    await worker.publish()
+    await _enqueue(aredis, [[8, 8]])
+    await worker.run_until_idle()
+    batches = len(backend.batch_sizes)
+    await _enqueue(aredis, [[8, 8]], client="c2")
+    await worker.run_until_idle()
+    assert len(backend.batch_sizes) == batches
+    assert (await _replies(aredis, "c2"))["c2:0"].cached
+
+
+async def test_the_model_is_published_for_clients(aredis, make_worker, smol_tokenizer):
+    worker = make_worker()
+    await worker.publish()
+    registry = ModelRegistry(aredis, KEYS)
+    info = await registry.info(MODEL)
+    assert isinstance(info, ModelInfo) and info.vocab_size == 49152 and info.revision == "mock-v1"
+    vocab = await registry.byte_vocab(MODEL)
+    assert vocab[19556] == b"Hello"
+    tokenizer = tokenizer_from_files(await registry.tokenizer_files(MODEL))
+    assert tokenizer.encode("Hello, my name is") == smol_tokenizer.encode("Hello, my name is")
+    assert await registry.live_workers(MODEL, within_s=60) == ["w1"]
+
+
+async def test_anonymous_garbage_goes_to_the_dead_letter_stream(aredis, make_worker):
+    worker = make_worker()
+    await worker.publish()
+    await aredis.xadd(KEYS.requests(MODEL), {"m": b"\x00garbage"})
+    await _enqueue(aredis, [[1]])
+    await worker.run_until_idle()
+    dead = await aredis.xrange(KEYS.dead_letters(MODEL))
+    assert len(dead) == 1 and dead[0][1][b"m"] == b"\x00garbage"
+    assert dead[0][1][b"lmq.reason"].startswith(b"MalformedMessage")
+    assert (await _replies(aredis))["c1:0"].ok
+    assert await aredis.xlen(KEYS.requests(MODEL)) == 0
+
+
+async def test_a_restarted_worker_first_answers_its_own_pending_entries(aredis, make_worker):
+    worker = make_worker(name="stable")
+    await worker.publish()
+    await _enqueue(aredis, [[1, n] for n in range(5)])
+    # a previous incarnation read them and died before acknowledging
+    await aredis.xreadgroup("workers", "stable", {KEYS.requests(MODEL): ">"}, count=5)
+    assert (await aredis.xpending(KEYS.requests(MODEL), "workers"))["pending"] == 5
+    assert await make_worker(name="stable").run_until_idle() == 5
+    assert len(await _replies(aredis)) == 5
+
+
+async def test_the_worker_recreates_its_group_after_redis_lost_everything(aredis, make_worker):
+    worker = make_worker(heartbeat_s=0.2)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    await asyncio.sleep(0.3)
+    await aredis.flushall()  # a restart without persistence
+    await asyncio.sleep(0.8)  # the next read sees NOGROUP, the heartbeat re-publishes
+    await _enqueue(aredis, [[3, 3]])
+    for _ in range(100):
+        if await aredis.exists(KEYS.replies("c1")):
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await serving
+    assert (await _replies(aredis))["c1:0"].ok
+    assert await ModelRegistry(aredis, KEYS).is_published(MODEL)
+
+
+async def test_a_stopped_worker_finishes_its_in_flight_batch(aredis, redis_url, smol_tokenizer):
+    slow = MockAsyncLM(smol_tokenizer, batch_delay_s=0.5)
+    settings = WorkerSettings(model=MODEL, backend="mock", redis=RedisSettings(url=redis_url))
+    worker = Worker(settings, slow, aredis)
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    await asyncio.sleep(0.2)
+    await _enqueue(aredis, [[1, n] for n in range(8)])
+    await asyncio.sleep(0.2)  # read, now computing
+    stop.set()
+    await serving
+    assert len(await _replies(aredis)) == 8
+    assert await ModelRegistry(aredis, KEYS).live_workers(MODEL, within_s=60) == []
+
+
+async def test_the_dead_letter_reason_does_not_lose_the_original_fields(aredis, make_worker):
+    worker = make_worker()
+    await worker.publish()
+    fields = {"m": msgpack.packb({"v": 1, "client": "bad id!"}), "extra": b"kept"}
+    await aredis.xadd(KEYS.requests(MODEL), fields)
+    await worker.run_until_idle()
+    (_, dead_fields), = await aredis.xrange(KEYS.dead_letters(MODEL))
+    assert dead_fields[b"extra"] == b"kept" and dead_fields[b"lmq.entry_id"]

@@ -26,6 +26,10 @@ def load_backend(settings: WorkerSettings) -> AsyncLM:
 
         if settings.device:
             opts.setdefault("hf_opts", {}).setdefault("device_map", settings.device)
+        # One stream batch becomes one forward: the worker submits a batch's prompts at once.
+        opts.setdefault("batch_size", settings.batch_size)
+        opts.setdefault("max_batch_tokens", settings.max_batch_tokens)
+        opts.setdefault("timeout", settings.max_wait_ms / 1000)
         return AsyncTransformer.from_name(settings.model, **opts)
     if settings.backend == "vllm":
         from .backends.vllm import AsyncVirtualLM

@@ -1,0 +1,400 @@
+"""`AsyncTransformer`: a HuggingFace causal LM behind `AsyncLM`, batched, reusing KV along prefixes.
+
+Concurrent `next_token_logprobs` calls wait up to ``timeout`` seconds for stragglers (or until
+``batch_size`` are queued), then run as one padded forward of at most ``batch_size`` rows and
+``max_batch_tokens`` padded new tokens; identical prompts in flight share one row. Every result
+and the KV of every computed position go into a `PrefixCache`, so any prompt extending a stored
+prefix runs only its new tokens, not only prompts passed to `cache_kv`. Returned vectors are
+shared with that cache: treat them as read-only.
+
+Threads: forwards run one at a time on a dedicated thread, so the event loop keeps serving
+meanwhile; queries arriving during a forward go into the next one. The trie and the futures
+are touched only on the loop thread, and a forward gets plain tensors, so an eviction meanwhile
+cannot pull a past from under it. The padded layout, the mask and out-of-memory splitting live
+in `padded_batch`; the trie, its KV segments and their eviction in `prefix_cache`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.errors import Cancelled
+
+from .base import AsyncLM, reject_adapter
+from .padded_batch import (
+    ForwardStats,
+    Output,
+    Row,
+    forward_options,
+    model_error,
+    plain_forward,
+    run_rows,
+)
+from .prefix_cache import PrefixCache
+
+__all__ = ["AsyncTransformer", "ForwardStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Query:
+    """A prompt waiting for a forward, and the future its callers share."""
+
+    tokens: tuple[int, ...]
+    future: asyncio.Future[torch.Tensor]
+    arrived_at: float
+    callers: int = 1
+
+
+#: ``from_pretrained`` options that place the weights without changing them.
+_PLACEMENT_OPTIONS = {"device_map", "max_memory", "offload_folder", "low_cpu_mem_usage"}
+
+
+def _revision(base: str, hf_opts: dict[str, Any] | None, bnb_opts: dict[str, Any] | None) -> str:
+    """`base`, qualified by the loading options that change results (dtype, quantization)."""
+    weights = {k: v for k, v in (hf_opts or {}).items() if k not in _PLACEMENT_OPTIONS}
+    if not weights and not bnb_opts:
+        return base
+    options = json.dumps([weights, bnb_opts or {}], sort_keys=True, default=str)
+    return f"{base}+{hashlib.blake2b(options.encode(), digest_size=6).hexdigest()}"
+
+
+class AsyncTransformer(AsyncLM):
+    """A HuggingFace causal LM with auto-batching, a result cache and automatic KV reuse.
+
+    Args:
+        model: a HuggingFace causal LM on one device (put in eval mode here).
+        tokenizer: its tokenizer.
+        batch_size: most queries in one forward; a full queue starts a forward at once.
+        timeout: seconds the oldest queued query waits for others before its forward starts.
+        max_batch_tokens: most padded new tokens (rows x longest new run) in one forward; a
+            single longer query still runs, alone.
+        max_kv_tokens: most token positions of KV kept for reuse, 0 disables reuse (SmolLM2-135M
+            in float32 takes 46 KB a position).
+        cache_size: most log-probability vectors kept (``4 * vector_size`` bytes each).
+        revision: names the weights, for shared caches (`from_name` fills it in).
+    """
+
+    backend_name = "hf"
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        batch_size: int = 20,
+        timeout: float = 0.02,
+        max_batch_tokens: int = 4096,
+        max_kv_tokens: int = 16_384,
+        cache_size: int = 1024,
+        revision: str = "unknown",
+        **vocab: Any,
+    ) -> None:
+        if batch_size < 1 or max_batch_tokens < 1 or timeout < 0:
+            raise ValueError(f"bad batching limits: {batch_size=} {max_batch_tokens=} {timeout=}")
+        super().__init__(tokenizer, **vocab)
+        self.model = model.eval()
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self.max_batch_tokens = max_batch_tokens
+        self.stats = ForwardStats()
+        self._revision = revision
+        self._config = model.config.get_text_config()
+        self._cache = PrefixCache(max_kv_tokens, cache_size)
+        self._keep_kv = max_kv_tokens > 0
+        self._forward_kwargs = forward_options(model)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmq-hf-forward")
+        self._pending: OrderedDict[tuple[int, ...], _Query] = OrderedDict()
+        self._queued_callers = 0  # callers of queued queries: identical calls fill a batch too
+        self._inflight: dict[tuple[int, ...], asyncio.Future[torch.Tensor]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._drainer: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        hf_opts: dict[str, Any] | None = None,
+        bitsandbytes_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncTransformer:
+        """Load `model_id` (an alias, a model directory or a hub id) and its tokenizer.
+
+        Args:
+            hf_opts: extra ``from_pretrained`` options; with CUDA the default ``device_map`` is
+                ``cuda:0`` (one device: a KV segment holds all layers in one tensor).
+            bitsandbytes_opts: a ``BitsAndBytesConfig``'s options (``quantization_config``).
+            kwargs: the constructor's keyword arguments.
+        """
+        from workers.models import load_causal_lm, load_tokenizer, resolve_model
+
+        opts = dict(hf_opts or {})
+        if torch.cuda.is_available():
+            opts.setdefault("device_map", "cuda:0")
+        if bitsandbytes_opts:
+            from transformers import BitsAndBytesConfig
+
+            opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+        model = load_causal_lm(model_id, opts)
+        revision = _revision(resolve_model(model_id).revision, hf_opts, bitsandbytes_opts)
+        kwargs.setdefault("revision", revision)
+        return cls(model, load_tokenizer(model_id), **kwargs)
+
+    # -- what a worker publishes ---------------------------------------------------------------
+    @property
+    def vector_size(self) -> int:
+        head = self.model.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(self._config.vocab_size)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return int(getattr(self._config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def revision(self) -> str:
+        return self._revision
+
+    @property
+    def cache(self) -> PrefixCache:
+        """The trie of results and KV segments (read-only use: sizes, for tests and metrics)."""
+        return self._cache
+
+    # -- asynchronous queries ------------------------------------------------------------------
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The next-token log-probabilities after `token_ids`; concurrent calls are batched.
+
+        Raises:
+            BadRequest: (a subclass) for an empty, non-integer, out-of-vocabulary or long prompt.
+            ModelError: if the forward pass failed.
+            Cancelled: if the query was reset, or the backend closed.
+        """
+        reject_adapter(lora_name)
+        tokens = self._checked(token_ids)
+        cached = self._cache.get(tokens)
+        if cached is not None:
+            return cached
+        # Shielded: a caller that cancels must not cancel the future other callers share.
+        return await asyncio.shield(self._enqueue(tokens))
+
+    def reset_async_queries(self) -> None:
+        """Fail every queued query with `Cancelled` (those in a running forward still finish).
+
+        For programs whose inference algorithm died mid-way: its queued queries will not run.
+        """
+        self._cancel_timer()
+        pending, self._pending, self._queued_callers = self._pending, OrderedDict(), 0
+        for query in pending.values():
+            self._fail(query, Cancelled("query reset before its forward pass"))
+
+    async def aclose(self) -> None:
+        """Cancel queued queries, let a running forward finish, and stop the forward thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset_async_queries()
+        if self._drainer is not None:
+            await asyncio.wait([self._drainer])
+        self._executor.shutdown(wait=True)
+
+    def _enqueue(self, tokens: tuple[int, ...]) -> asyncio.Future[torch.Tensor]:
+        """The future of `tokens`, shared with an identical query queued or running."""
+        future = self._inflight.get(tokens)
+        if future is None:
+            loop = asyncio.get_running_loop()
+            future = self._inflight[tokens] = loop.create_future()
+            self._pending[tokens] = _Query(tokens, future, loop.time())
+        elif tokens in self._pending:
+            self._pending[tokens].callers += 1
+        else:
+            return future
+        self._queued_callers += 1
+        self._schedule()
+        return future
+
+    def _dequeue(self, tokens: tuple[int, ...]) -> _Query:
+        query = self._pending.pop(tokens)
+        self._queued_callers -= query.callers
+        return query
+
+    def _schedule(self, now: bool = False) -> None:
+        """Start forwards if the queue is ready (or `now`), else arm the oldest query's timer."""
+        if self._drainer is not None or not self._pending or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        if now or self._batch_ready(loop):
+            self._cancel_timer()
+            self._drainer = loop.create_task(self._drain())
+        elif self._timer is None:
+            self._timer = loop.call_at(self._deadline(), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._schedule(now=True)  # a timer may fire a hair early; its deadline has come
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _deadline(self) -> float:
+        return next(iter(self._pending.values())).arrived_at + self.timeout
+
+    def _batch_ready(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self._queued_callers >= self.batch_size or loop.time() >= self._deadline()
+
+    async def _drain(self) -> None:
+        """Run forwards while the queue stays ready; then hand back to the timer."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._run_batch(self._take_batch())
+                if not self._pending or not self._batch_ready(loop):
+                    break
+        finally:
+            self._drainer = None
+            self._schedule()
+
+    def _take_batch(self) -> list[tuple[_Query, Row]]:
+        """Dequeue the oldest queries that fit the limits, each with its stored past."""
+        taken: list[tuple[_Query, Row]] = []
+        width = 0
+        for tokens in list(self._pending):
+            if len(taken) == self.batch_size:
+                break
+            cached = self._cache.get(tokens)
+            if cached is not None:  # computed by a synchronous call meanwhile
+                self._finish(self._dequeue(tokens), cached)
+                continue
+            row = self._row(tokens, len(tokens) - 1)
+            new_width = max(width, len(row.new_tokens))
+            if taken and new_width * (len(taken) + 1) > self.max_batch_tokens:
+                continue
+            taken.append((self._dequeue(tokens), row))
+            width = new_width
+        return taken
+
+    def _row(self, tokens: tuple[int, ...], kv_limit: int) -> Row:
+        """A forward row for `tokens`: the stored past (at most `kv_limit` long) and the rest."""
+        past, past_len = self._cache.kv_prefix(tokens, kv_limit) if self._keep_kv else ([], 0)
+        return Row(past, past_len, tokens[past_len:])
+
+    async def _run_batch(self, batch: list[tuple[_Query, Row]]) -> None:
+        """Compute `batch` on the forward thread; resolve every future on every path."""
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(
+                self._executor, self._compute, [row for _, row in batch]
+            )
+        except asyncio.CancelledError:
+            for query, _ in batch:
+                self._fail(query, Cancelled("the backend closed during the forward pass"))
+            raise
+        except Exception as exc:  # the forward thread is gone; `run_rows` catches the rest
+            logger.error("a forward of %d rows could not run", len(batch), exc_info=exc)
+            for query, _ in batch:
+                self._fail(query, model_error(exc))
+            return
+        for (query, row), output in zip(batch, outputs, strict=True):
+            if isinstance(output, BaseException):
+                self._fail(query, model_error(output))
+                continue
+            try:
+                self._cache.insert(query.tokens, output[0], row.past_len, output[1])
+            except Exception:  # a bookkeeping fault must not strand the caller
+                logger.exception("storing a result in the prefix cache failed")
+            self._finish(query, output[0])
+
+    def _finish(self, query: _Query, logprobs: torch.Tensor) -> None:
+        self._inflight.pop(query.tokens, None)
+        if not query.future.done():
+            query.future.set_result(logprobs)
+
+    def _fail(self, query: _Query, error: BaseException) -> None:
+        self._inflight.pop(query.tokens, None)
+        if not query.future.done():
+            query.future.set_exception(error)
+
+    # -- synchronous queries -------------------------------------------------------------------
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The same, computed now on the forward thread (no batching; caches are used).
+
+        Call it from the thread that owns the backend (the event loop's, if one runs).
+        """
+        reject_adapter(lora_name)
+        tokens = self._checked(token_ids)
+        cached = self._cache.get(tokens)
+        return cached if cached is not None else self._compute_now(tokens)
+
+    def next_token_logprobs_uncached(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """The same from one plain forward over the whole prompt: no cache, no padding."""
+        reject_adapter(lora_name)
+        tokens = self._checked(token_ids)
+        return self._submit(self._uncached, tokens)
+
+    def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
+        """Compute and keep the KV of `prompt_tokens` (subject to ``max_kv_tokens``)."""
+        tokens = self._checked(prompt_tokens)
+        if self._keep_kv and self._cache.kv_prefix(tokens, len(tokens))[1] < len(tokens):
+            self._compute_now(tokens)
+
+    def clear_cache(self) -> None:
+        """Forget all results and all KV."""
+        self._cache.clear()
+
+    def clear_kv_cache(self) -> None:
+        """Forget all KV, keeping the results."""
+        self._cache.clear_kv()
+
+    def _compute_now(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """Compute `tokens` alone on the forward thread, reusing and storing KV and result."""
+        row = self._row(tokens, len(tokens) - 1)
+        (output,) = self._submit(self._compute, [row])
+        if isinstance(output, BaseException):
+            raise model_error(output) from output
+        self._cache.insert(tokens, output[0], row.past_len, output[1])
+        return output[0]
+
+    def _checked(self, token_ids: Any) -> tuple[int, ...]:
+        if self._closed:
+            raise Cancelled("the backend is closed")
+        return tuple(self.check_prompt(token_ids))
+
+    def _submit(self, fn: Any, *args: Any) -> Any:
+        """Run `fn` on the forward thread and wait: one forward at a time, whoever calls."""
+        return self._executor.submit(fn, *args).result()
+
+    # -- the forward thread ----------------------------------------------------------------------
+    @torch.no_grad()
+    def _compute(self, rows: list[Row]) -> list[Output]:
+        keep_kv = self._keep_kv
+        outputs = run_rows(self.model, rows, keep_kv, self._forward_kwargs, self.stats)
+        if keep_kv and any(not isinstance(o, BaseException) and o[1] is None for o in outputs):
+            self._keep_kv = False  # this model's KV does not fit the segment layout; run without
+        return outputs
+
+    @torch.no_grad()
+    def _uncached(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        try:
+            return plain_forward(self.model, tokens, self._forward_kwargs)
+        except Exception as exc:
+            raise model_error(exc) from exc

@@ -1,0 +1,234 @@
+"""`run_rows`: forward passes over rows that each bring a stored past and new tokens.
+
+With B rows, P the longest past and N the longest run of new tokens, the key/value slots are::
+
+    0 .. P-1      each row's past, right-padded with zero KV
+    P .. P+N-1    each row's new tokens, left-padded with token 0
+
+so every row's last real token sits in slot P+N-1 and ``logits_to_keep=1`` computes one logit
+row per query. Position ids are explicit (``past_len + i`` for the i-th new token).
+
+The mask. A real token sees the real slots up to its own. A padding token in the new region
+sees only itself: with the usual 2-D mask a row without past leaves its padding queries with
+no visible key at all, and whether such a row comes out as zeros or NaN depends on the
+attention kernel (PyTorch's CPU kernel gives zeros, eager attention gives a uniform average).
+A NaN there is stored as that slot's key and value, and zero attention weight times NaN is
+still NaN in every real row. Seeing itself, a padding row stays finite with any kernel. The
+mask is passed as 4-D (bool for sdpa, additive float for eager); models with sliding-window
+layers or other attention implementations get the 2-D mask, since one 4-D mask would
+override their per-layer windows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.errors import ModelError
+
+__all__ = [
+    "ForwardStats",
+    "Output",
+    "Row",
+    "forward_options",
+    "model_error",
+    "padded_forward",
+    "plain_forward",
+    "run_rows",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What one row yields: its log-probabilities and the KV segment of its new tokens, or the error.
+Output = tuple[torch.Tensor, "torch.Tensor | None"] | BaseException
+
+
+@dataclass
+class ForwardStats:
+    """Counters of the work done, for tests and benchmarks (written by the forward thread)."""
+
+    forwards: int = 0
+    rows: int = 0
+    new_tokens: int = 0
+    oom_splits: int = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One query of a forward.
+
+    Attributes:
+        past: KV segments ``(layers, 2, kv_heads, tokens, head_dim)`` covering the first
+            `past_len` positions of the prompt, in order.
+        past_len: positions covered by `past`.
+        new_tokens: the rest of the prompt, to be run now (at least one token).
+    """
+
+    past: list[torch.Tensor]
+    past_len: int
+    new_tokens: tuple[int, ...]
+
+
+def forward_options(model: Any) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it: only the last position's logits."""
+    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if takes else {}
+
+
+def model_error(exc: BaseException) -> ModelError:
+    """A `ModelError` describing `exc`, chained to it."""
+    error = ModelError(f"forward pass failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def plain_forward(model: Any, tokens: tuple[int, ...], options: dict[str, Any]) -> torch.Tensor:
+    """Log-probabilities after `tokens` from one unpadded forward without cache (the reference)."""
+    ids = torch.tensor([tokens], device=model.get_input_embeddings().weight.device)
+    logits = model(input_ids=ids, use_cache=False, **options).logits
+    return torch.log_softmax(logits[0, -1].to(torch.float32), dim=-1).cpu()
+
+
+def run_rows(
+    model: Any,
+    rows: list[Row],
+    keep_kv: bool,
+    forward_kwargs: dict[str, Any],
+    stats: ForwardStats,
+) -> list[Output]:
+    """One output per row; a batch out of memory is split in halves and retried.
+
+    Any other error, or out-of-memory on a single row, becomes the output of exactly the rows
+    of that forward: the caller fails their queries and goes on serving.
+    """
+    try:
+        logprobs, segments = padded_forward(model, rows, keep_kv, forward_kwargs)
+    except Exception as exc:
+        if not _is_oom(exc) or len(rows) == 1:
+            logger.error("forward pass of %d rows failed", len(rows), exc_info=exc)
+            return [exc] * len(rows)
+        stats.oom_splits += 1
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = len(rows) // 2
+        head = run_rows(model, rows[:half], keep_kv, forward_kwargs, stats)
+        return head + run_rows(model, rows[half:], keep_kv, forward_kwargs, stats)
+    stats.forwards += 1
+    stats.rows += len(rows)
+    stats.new_tokens += sum(len(row.new_tokens) for row in rows)
+    # Each row copied out: a view would keep the whole batch's vectors alive in the cache.
+    return [(logprobs[i].clone(), segments[i]) for i in range(len(rows))]
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+    )
+
+
+def padded_forward(
+    model: Any, rows: list[Row], keep_kv: bool, forward_kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Run `rows` as one batch.
+
+    Returns:
+        The ``(len(rows), vector_size)`` float32 log-probabilities on the CPU, and per row the
+        KV segment of its new tokens (None when `keep_kv` is false or the model's KV layers
+        cannot be stacked into one tensor).
+    """
+    device = model.get_input_embeddings().weight.device
+    width_past = max(row.past_len for row in rows)
+    width_new = max(len(row.new_tokens) for row in rows)
+    ids, positions, real = _inputs(rows, width_past, width_new)
+    past = _past_cache(rows, width_past) if keep_kv else None
+    output = model(
+        input_ids=ids.to(device),
+        attention_mask=_attention_mask(model, real.to(device), width_past, width_new),
+        position_ids=positions.to(device),
+        past_key_values=past,
+        use_cache=keep_kv,
+        **forward_kwargs,
+    )
+    logprobs = torch.log_softmax(output.logits[:, -1].to(torch.float32), dim=-1).cpu()
+    if not keep_kv:
+        return logprobs, [None] * len(rows)
+    return logprobs, _new_segments(output.past_key_values, rows, width_past)
+
+
+def _inputs(rows: list[Row], width_past: int, width_new: int) -> tuple[torch.Tensor, ...]:
+    """Token ids and position ids ``(B, N)``, and which of the ``P + N`` slots are real."""
+    ids = torch.zeros((len(rows), width_new), dtype=torch.long)
+    positions = torch.zeros((len(rows), width_new), dtype=torch.long)
+    real = torch.zeros((len(rows), width_past + width_new), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        start = width_new - len(row.new_tokens)
+        ids[b, start:] = torch.tensor(row.new_tokens)
+        positions[b, start:] = torch.arange(row.past_len, row.past_len + len(row.new_tokens))
+        real[b, : row.past_len] = True
+        real[b, width_past + start :] = True
+    return ids, positions, real
+
+
+def _attention_mask(model: Any, real: torch.Tensor, width_past: int, width_new: int) -> Any:
+    """The mask the model's attention implementation takes (see the module docstring)."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager") or _has_sliding_window(config):
+        return real.long()
+    query_slots = torch.arange(width_new, device=real.device)[:, None] + width_past
+    key_slots = torch.arange(width_past + width_new, device=real.device)[None, :]
+    visible = (key_slots <= query_slots)[None] & real[:, None, :]
+    padding_queries = ~real[:, width_past:, None]
+    visible |= padding_queries & (key_slots == query_slots)[None]
+    if implementation == "sdpa":
+        return visible[:, None]
+    dtype = model.dtype
+    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=real.device)
+    return blocked.masked_fill(visible, 0.0)[:, None]
+
+
+def _has_sliding_window(config: Any) -> bool:
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or ()
+    windowed = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    return bool(windowed) or any(kind != "full_attention" for kind in layer_types)
+
+
+def _past_cache(rows: list[Row], width_past: int) -> Any:
+    """The rows' pasts concatenated, right-padded with zeros, as a per-layer cache."""
+    from transformers import DynamicCache  # imported here: `workers.backends` stays light
+
+    if width_past == 0:
+        return DynamicCache()
+    example = next(row.past[0] for row in rows if row.past)
+    layers, _, heads, _, head_dim = example.shape
+    stacked = example.new_zeros((layers, 2, len(rows), heads, width_past, head_dim))
+    for b, row in enumerate(rows):
+        at = 0
+        for segment in row.past:
+            length = segment.shape[3]
+            stacked[:, :, b, :, at : at + length] = segment
+            at += length
+    return DynamicCache(ddp_cache_data=[(layer[0], layer[1]) for layer in stacked])
+
+
+def _new_segments(cache: Any, rows: list[Row], width_past: int) -> list[torch.Tensor | None]:
+    """Each row's KV of its new tokens, all layers in one tensor (copied out of the batch)."""
+    try:
+        new = torch.stack(
+            [
+                torch.stack((layer.keys[:, :, width_past:], layer.values[:, :, width_past:]))
+                for layer in cache.layers
+            ]
+        )
+    except (RuntimeError, AttributeError) as exc:  # layers of unequal shape or device
+        logger.warning("KV of this model cannot be kept as one tensor per segment: %s", exc)
+        return [None] * len(rows)
+    width_new = new.shape[4]
+    return [
+        new[:, :, b, :, width_new - len(row.new_tokens) :].clone() for b, row in enumerate(rows)
+    ]

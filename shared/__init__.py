@@ -24,11 +24,13 @@ from .registry import ModelInfo, ModelRegistry
 from .settings import ClientSettings, RedisSettings, SettingsError, WorkerSettings
 from .shared_cache import SharedCache
 from .tokens import Token
+from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 from .validation import check_prompt
 from .vocab import decode_vocab
 from .wire import Reply, Request
 
 __all__ = [
+    "AsyncTokenCharacterTrie",
     "BadRequest",
     "Busy",
     "Cancelled",
@@ -44,6 +46,7 @@ __all__ = [
     "ModelRegistry",
     "OutputCache",
     "OversizeRequest",
+    "ParallelTokenCharacterTrie",
     "PromptTooLong",
     "RedisSettings",
     "Reply",
@@ -51,6 +54,7 @@ __all__ = [
     "SettingsError",
     "SharedCache",
     "Token",
+    "TokenCharacterTrie",
     "TokenOutOfVocabulary",
     "Unavailable",
     "UnknownModel",

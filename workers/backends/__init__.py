@@ -5,7 +5,21 @@
 imports without them.
 """
 
+from typing import Any
+
 from .base import AsyncLM
+from .hf import AsyncTransformer
 from .mock import MockAsyncLM
 
-__all__ = ["AsyncLM", "MockAsyncLM"]
+__all__ = ["AsyncLM", "AsyncTransformer", "MockAsyncLM", "AsyncVirtualLM", "AsyncSGLTransformer"]
+
+#: Backends whose modules load on first access (their engines load only in `from_name`).
+_LAZY = {"AsyncVirtualLM": ".vllm", "AsyncSGLTransformer": ".sgl"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,16 @@ import redis.asyncio as aioredis
 from lmqueue.local_redis import LocalRedis
 
 SMOL = "smollm2-135m"
+ENGINE_CLASSES = Path(__file__).resolve().parent.parent / ".engine-classes"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Make vLLM's pure-Python classes importable for the adapter tests, if bootstrap got them.
+
+    Appended, so every package of the real environment (torch above all) still wins.
+    """
+    if ENGINE_CLASSES.is_dir() and str(ENGINE_CLASSES) not in sys.path:
+        sys.path.append(str(ENGINE_CLASSES))
 
 
 @pytest.fixture(scope="session")

@@ -2,27 +2,31 @@
 
 A call validates the prompt locally (the same checks and error types as the worker), looks in
 a local LRU, joins an identical in-flight request if there is one, and otherwise becomes a
-request with a deadline. The `Submitter` sends requests in micro-batches (shared-cache hits
-never reach a worker); the `ReplyReader` settles them from this client's reply stream. Both
-are tasks owned by the client's lifespan: `connect` starts them, `close` stops them and fails
+request with a deadline. At most ``max_inflight`` distinct requests are outstanding: further
+callers wait for a slot (within their own deadline), which bounds this client's memory and the
+replies queued for it in Redis however slowly it reads them. The `Submitter` sends requests in
+micro-batches (shared-cache hits never reach a worker); the `ReplyReader` settles them from
+this client's reply stream and resubmits everything in flight when Redis restarted. Both are
+tasks owned by the client's lifespan: `connect` starts them, `close` stops them and fails
 whatever is still pending with `Cancelled`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from shared.connections import async_redis
-from shared.errors import Cancelled, UnknownModel
+from shared.connections import async_redis, bounded
+from shared.errors import Cancelled, DeadlineExceeded, UnknownModel
 from shared.output_cache import OutputCache
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
 from shared.settings import ClientSettings
@@ -33,8 +37,8 @@ from shared.vocab import str_vocab_of
 from shared.wire import Request
 
 from .admission import Admission
-from .inflight import InflightTable
-from .reply_reader import ReplyReader
+from .inflight import InflightTable, Pending
+from .reply_reader import ReplyReader, server_run_id
 from .submitter import REDIS_DOWN, Submitter
 from .sync_portal import SyncPortal
 
@@ -59,6 +63,7 @@ class QueueLM:
         settings: ClientSettings,
         redis: Any,
         cache_redis: Any,
+        run_id: str | None = None,
     ) -> None:
         self.info = info
         self.model = info.name
@@ -78,14 +83,16 @@ class QueueLM:
         )
         bound = settings.max_backlog or info.max_backlog
         admission = Admission(redis, keys.requests(info.name), bound)
-        self.submitter = Submitter(self.inflight, shared, admission)
+        self.submitter = Submitter(self.inflight, shared, admission, settings.redis.stall_timeout_s)
         self.reader = ReplyReader(
-            redis, keys.replies(self.client_id), self.inflight,
-            on_reconnect=lambda: self.submitter.resubmit(self.inflight),
-            read_count=settings.read_count,
+            redis, keys.replies(self.client_id), self.inflight, on_restart=self._on_restart,
+            read_count=settings.read_count, run_id=run_id,
+            stall_timeout_s=settings.redis.stall_timeout_s,
         )  # fmt: skip
         self.local_cache = OutputCache(settings.local_cache_size)
+        self._slots = asyncio.Semaphore(settings.max_inflight)
         self._tasks: list[asyncio.Task[None]] = []
+        self._refresh: asyncio.Task[None] | None = None
         self._portal: SyncPortal | None = None
         self._home_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -119,13 +126,14 @@ class QueueLM:
         try:
             registry = ModelRegistry(redis, settings.redis.keyspace())
             info = await _wait_for_model(registry, model, settings.connect_timeout_s)
+            run_id = await server_run_id(redis)
             files = await registry.tokenizer_files(model)
             vocab = await registry.byte_vocab(model)
             tokenizer = await asyncio.to_thread(tokenizer_from_files, files)
         except BaseException:
             await _close_all(redis, cache_redis)
             raise
-        client = cls(info, tokenizer, vocab, settings, redis, cache_redis)
+        client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id)
         client._start()
         return client
 
@@ -141,12 +149,16 @@ class QueueLM:
         if self._closed:
             return
         self._closed = True
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._refresh] if self._refresh else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.inflight.fail_all(Cancelled, "the client was closed")
         if self._portal is not None:
             await asyncio.to_thread(self._portal.close)
+        # Replies still on their way recreate the stream, with the workers' TTL on it.
+        with contextlib.suppress(Exception):
+            await bounded(self._redis.delete(self.reader.stream), 1.0, "deleting replies")
         await _close_all(self._redis, self._cache_redis)
 
     async def __aenter__(self) -> QueueLM:
@@ -198,23 +210,14 @@ class QueueLM:
         self.local_cache.clear()
 
     # -- requests ----------------------------------------------------------------------------------
-    async def _request(
-        self, token_bytes: bytes, kind: str, dtype: str, **extra: Any
-    ) -> np.ndarray:
+    async def _request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
         """Submit (or join) one request and wait for its vector."""
         if self._closed:
             raise Cancelled("the client is closed")
         dedup_key = (token_bytes, kind, dtype, *sorted(extra.items()))
         pending = self.inflight.find(dedup_key)
         if pending is None:
-            timeout_s = self.settings.timeout_s
-            deadline_ms = int((time.time() + timeout_s) * 1000) if timeout_s else 0
-            request = Request(
-                self.inflight.next_request_id(), self.client_id, token_bytes, kind, dtype,
-                deadline_ms, **extra,
-            )  # fmt: skip
-            pending = self.inflight.add(request, dedup_key, timeout_s)
-            self.submitter.submit(pending)
+            pending = await self._new_request(dedup_key, token_bytes, kind, dtype, extra)
         pending.waiters += 1
         try:
             return await asyncio.shield(pending.future)
@@ -222,6 +225,65 @@ class QueueLM:
             pending.waiters -= 1
             if not pending.future.done():
                 self.inflight.withdraw(pending)
+
+    async def _new_request(
+        self, dedup_key: Hashable, token_bytes: bytes, kind: str, dtype: str, extra: dict[str, Any]
+    ) -> Pending:
+        """Take an in-flight slot (waiting within the deadline if all are taken) and submit.
+
+        The slot is given back when the request settles, however it settles.
+        """
+        timeout_s = self.settings.timeout_s
+        started = time.time()
+        try:
+            if self._slots.locked():  # not asyncio.timeout: see shared.connections.bounded
+                await asyncio.wait_for(self._slots.acquire(), timeout_s or None)
+            else:
+                await self._slots.acquire()  # returns at once
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no in-flight slot within {timeout_s:g} s (max_inflight="
+                f"{self.settings.max_inflight})", timeout_s=timeout_s,
+            ) from None  # fmt: skip
+        joined = self.inflight.find(dedup_key)  # made by another caller while this one waited
+        if joined is not None or self._closed:
+            self._slots.release()
+            if joined is None:
+                raise Cancelled("the client is closed")
+            return joined
+        remaining_s = max(timeout_s - (time.time() - started), 0.001) if timeout_s else 0
+        deadline_ms = int((started + timeout_s) * 1000) if timeout_s else 0
+        request = Request(
+            self.inflight.next_request_id(), self.client_id, token_bytes, kind, dtype,
+            deadline_ms, **extra,
+        )  # fmt: skip
+        pending = self.inflight.add(request, dedup_key, remaining_s)
+        pending.future.add_done_callback(lambda _: self._slots.release())
+        self.submitter.submit(pending)
+        return pending
+
+    def _on_restart(self) -> None:
+        """Redis restarted: resubmit everything in flight and re-read the model's info."""
+        self.submitter.resubmit(self.inflight)
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.create_task(self._refresh_info(), name="lmq-refresh-info")
+
+    async def _refresh_info(self) -> None:
+        """Read the model's info again once a worker re-published it; adopt a new bound."""
+        registry = ModelRegistry(self._redis, self.settings.redis.keyspace())
+        try:
+            info = await _wait_for_model(registry, self.model, self.settings.connect_timeout_s)
+        except Exception as exc:  # best effort: the old info stays in use
+            logger.warning("could not re-read model info after a restart: %s", exc)
+            return
+        if (info.revision, info.vector_size) != (self.info.revision, self.info.vector_size):
+            logger.warning(
+                "model %s changed across the restart (revision %s -> %s); results may differ",
+                self.model, self.info.revision, info.revision,
+            )  # fmt: skip
+        if not self.settings.max_backlog:
+            self.submitter.admission.max_backlog = info.max_backlog
+        self.info = info
 
     def _call_sync(self, method: str, *args: Any) -> Any:
         """Run an async method to completion from synchronous code.
@@ -277,6 +339,7 @@ class QueueLM:
             "replies_read": self.reader.replies_read,
             "duplicate_replies": self.inflight.duplicate_replies,
             "reconnects": self.reader.reconnects,
+            "server_restarts": self.reader.restarts_seen,
             "inflight": len(self.inflight),
         }
 

@@ -2,8 +2,12 @@
 
 Requests made in the same event-loop pass are sent together: one MGET against the shared
 cache answers the hits without any worker, then one pipeline XADDs the misses to the model's
-request stream (through `Admission`, which refuses batches past the backlog bound). While Redis is unreachable the batch is kept and retried with backoff until
-each request's own deadline settles it.
+request stream (through `Admission`, which refuses batches past the backlog bound). While
+Redis is unreachable, or a send gets no answer within the stall timeout, the batch is kept
+and retried with backoff until each request's own deadline settles it (a retried send may
+enqueue a request twice; it is answered twice and settled once). A refusal by Redis itself
+(out of memory, a wrong key type) fails the batch's requests with a typed error at once;
+nothing ends the task but cancellation.
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.errors import Busy
+from shared.connections import bounded
+from shared.errors import Busy, LMQueueError, Unavailable
 from shared.shared_cache import SharedCache
 from shared.wire import Reply, encode_request
 
@@ -32,9 +39,14 @@ class Submitter:
     """Owns the send side of one client: a queue of pending requests and one task draining it."""
 
     def __init__(
-        self, inflight: InflightTable, cache: SharedCache | None, admission: Admission
+        self,
+        inflight: InflightTable,
+        cache: SharedCache | None,
+        admission: Admission,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.inflight = inflight
+        self.stall_timeout_s = stall_timeout_s
         self.cache = cache
         self.admission = admission
         self._queue: list[Pending] = []
@@ -63,7 +75,7 @@ class Submitter:
             if not batch:
                 continue
             try:
-                await self._send(batch)
+                await bounded(self._send(batch), self.stall_timeout_s, "submitting requests")
                 backoff_s = 0.05
             except REDIS_DOWN as exc:
                 logger.warning("submitting %d requests failed (%s); retrying", len(batch), exc)
@@ -71,6 +83,21 @@ class Submitter:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
                 self._wake.set()
+            except Exception as exc:  # refused or a bug: fail these requests, keep the task
+                self._refuse(batch, exc)
+
+    def _refuse(self, batch: list[Pending], exc: Exception) -> None:
+        """Fail requests that Redis refused (e.g. OOM) or that hit an unexpected error."""
+        error: LMQueueError
+        if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+            error = Busy(f"Redis is out of memory: {exc}")
+        elif isinstance(exc, ResponseError):
+            error = Unavailable(f"Redis refused the requests: {exc}")
+        else:
+            logger.error("submitting %d requests failed", len(batch), exc_info=exc)
+            error = Unavailable(f"submitting failed: {type(exc).__name__}: {exc}")
+        for pending in batch:
+            self.inflight.fail(pending.request_id, type(error)(error.message))
 
     @staticmethod
     def _live(batch: list[Pending]) -> list[Pending]:
@@ -107,6 +134,8 @@ class Submitter:
         for pending, value in zip(lookups, values, strict=True):
             if value is not None:
                 hits.add(pending.request_id)
-                self.inflight.resolve(Reply(pending.request_id, value, pending.request.dtype, cached=True))
+                self.inflight.resolve(
+                    Reply(pending.request_id, value, pending.request.dtype, cached=True)
+                )
         self.cache_hits += len(hits)
         return [p for p in batch if p.request_id not in hits]

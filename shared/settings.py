@@ -44,12 +44,19 @@ class RedisSettings:
     prefix: str = "lmq"
     tenant: str = "default"
     connect_timeout_s: float = 5.0
+    #: A blocking read still unanswered this long after its block time ended is abandoned and
+    #: retried on a new connection: the peer is alive but silent (frozen, blackholed).
+    stall_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0:
+            raise SettingsError(f"stall_timeout_s={self.stall_timeout_s!r}: must be > 0")
         for name in ("url", "cache_url"):
             value = getattr(self, name)
             if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-                raise SettingsError(f"{name}={value!r}: expected a redis://, rediss:// or unix:// URL")
+                raise SettingsError(
+                    f"{name}={value!r}: expected a redis://, rediss:// or unix:// URL"
+                )
         try:
             self.keyspace()
         except ValueError as exc:
@@ -104,10 +111,14 @@ class WorkerSettings:
     reply_ttl_s: int = 600
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
+    #: Consumers idle this long with nothing pending are removed from the group (0: never).
+    dead_consumer_idle_ms: int = 3_600_000
+    #: The dead-letter stream keeps about this many newest entries (an archive, not a queue).
+    max_dead_letters: int = 10_000
     heartbeat_s: float = 2.0
     shutdown_grace_s: float = 30.0
     max_request_bytes: int = 1 << 20
-    #: Published to clients: new requests fail with Busy past this many queued entries (0: no bound).
+    #: Published to clients: new requests fail with Busy past this many queued entries (0: none).
     max_backlog: int = 50_000
 
     def __post_init__(self) -> None:
@@ -119,7 +130,13 @@ class WorkerSettings:
         validate_name("worker", self.name)
         _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s")
         _require_non_negative(
-            self, "max_wait_ms", "max_prompt_tokens", "cache_ttl_s", "max_backlog"
+            self,
+            "max_wait_ms",
+            "max_prompt_tokens",
+            "cache_ttl_s",
+            "max_backlog",
+            "dead_consumer_idle_ms",
+            "max_dead_letters",
         )
 
     @classmethod

@@ -43,7 +43,9 @@ def test_a_logprobs_request_survives_the_round_trip():
 
 
 def test_a_mass_request_keeps_its_op_and_nodes():
-    request = Request("c:1", "c", ids_to_bytes([1]), "mass", "float64", 0, "max", ids_to_bytes([0, 4]))
+    request = Request(
+        "c:1", "c", ids_to_bytes([1]), "mass", "float64", 0, "max", ids_to_bytes([0, 4])
+    )
     decoded = decode_request(_as_read(encode_request(request)))
     assert decoded.mass_op == "max"
     assert decoded.nodes is not None and decoded.nodes.tolist() == [0, 4]
@@ -97,15 +99,47 @@ def test_a_builtin_error_hierarchy_is_kept_for_drop_in_compatibility():
         {b"m": msgpack.packb([1, 2])},
         {b"m": msgpack.packb({"v": 99})},
         {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "nope"})},
-        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
-                              "tokens": b"\x01\x02\x03", "dtype": "float32", "deadline_ms": 0})},
-        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
-                              "tokens": b"\x01\x00\x00\x00", "dtype": "int8", "deadline_ms": 0})},
-        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "c", "kind": "logprobs",
-                              "tokens": b"\x01\x00\x00\x00", "dtype": "float32",
-                              "deadline_ms": True})},
+        {
+            b"m": msgpack.packb(
+                {
+                    "v": 1,
+                    "id": "x",
+                    "client": "c",
+                    "kind": "logprobs",
+                    "tokens": b"\x01\x02\x03",
+                    "dtype": "float32",
+                    "deadline_ms": 0,
+                }
+            )
+        },
+        {
+            b"m": msgpack.packb(
+                {
+                    "v": 1,
+                    "id": "x",
+                    "client": "c",
+                    "kind": "logprobs",
+                    "tokens": b"\x01\x00\x00\x00",
+                    "dtype": "int8",
+                    "deadline_ms": 0,
+                }
+            )
+        },
+        {
+            b"m": msgpack.packb(
+                {
+                    "v": 1,
+                    "id": "x",
+                    "client": "c",
+                    "kind": "logprobs",
+                    "tokens": b"\x01\x00\x00\x00",
+                    "dtype": "float32",
+                    "deadline_ms": True,
+                }
+            )
+        },
     ],
-)  # fmt: skip
+)
 def test_malformed_requests_raise_malformed_message(fields):
     with pytest.raises(MalformedMessage):
         decode_request(fields)
@@ -138,10 +172,17 @@ def test_fuzzed_request_fields_never_crash_the_decoder(fields):
 
 
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=6),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=6)
+    ),
     max_leaves=20,
-)  # fmt: skip
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -162,12 +203,16 @@ def test_fuzzed_msgpack_envelopes_never_crash_either_decoder(envelope, payload):
 @settings(max_examples=300, deadline=None)
 @given(
     st.fixed_dictionaries(
-        {"v": st.just(1), "id": st.text(max_size=5), "ok": st.booleans(),
-         "dtype": st.sampled_from(["float32", "float16", "bogus"]),
-         "error": _json},
+        {
+            "v": st.just(1),
+            "id": st.text(max_size=5),
+            "ok": st.booleans(),
+            "dtype": st.sampled_from(["float32", "float16", "bogus"]),
+            "error": _json,
+        },
     ),
     st.binary(max_size=32),
-)  # fmt: skip
+)
 def test_fuzzed_reply_headers_end_in_a_reply_or_malformed_message(header, payload):
     fields = {b"h": msgpack.packb(header, use_bin_type=True), b"d": payload}
     try:
@@ -175,3 +220,42 @@ def test_fuzzed_reply_headers_end_in_a_reply_or_malformed_message(header, payloa
     except MalformedMessage:
         return
     assert reply.ok or isinstance(reply.error, LMQueueError)
+
+
+def _corrupt(raw: bytes, patch: bytes, at: int) -> bytes:
+    """`raw` with `patch` written over it at `at` (clamped), then cut to its first length."""
+    at = min(at, len(raw))
+    return (raw[:at] + patch + raw[at + len(patch) :])[: max(len(raw), 1)]
+
+
+_KIND = st.sampled_from(["logprobs", "mass"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=1, max_size=6), st.integers(0, 200), _KIND)
+def test_corrupted_valid_requests_decode_or_raise_malformed_message(patch, at, kind):
+    """Random bytes and msgpack trees rarely pass the version check; corrupted real envelopes
+    reach every field's validation."""
+    nodes = ids_to_bytes([4])
+    request = Request("c:1", "c", ids_to_bytes([1, 2, 3]), kind, "float16", 5, "max", nodes)
+    envelope = encode_request(request)["m"]
+    try:
+        decoded = decode_request({b"m": _corrupt(envelope, patch, at)})
+    except MalformedMessage:
+        return
+    assert decoded.kind in ("logprobs", "mass")
+    assert len(decoded.tokens) * 4 == len(decoded.token_bytes)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=1, max_size=6), st.integers(0, 120), st.booleans())
+def test_corrupted_valid_replies_decode_or_raise_malformed_message(patch, at, ok):
+    fields = encode_result("c:1", b"\x00" * 16, "float32") if ok else encode_error("c:1", Busy("x"))
+    header = _corrupt(fields["h"], patch, at)
+    try:
+        reply = decode_reply({**_as_read(fields), b"h": header})
+    except MalformedMessage:
+        return
+    assert reply.ok == (reply.error is None)
+    if reply.ok:
+        assert reply.vector().nbytes == 16

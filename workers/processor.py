@@ -7,17 +7,19 @@ The steps, each cheap before the expensive one:
 2. look up every distinct prompt in the shared cache with one MGET;
 3. compute each distinct missing prompt once through the backend (concurrent calls, which the
    backend batches); when a shared forward fails, bisect to find the request that poisons it,
-   so the others still get results;
+   so the others still get results. A backend also batches calls of *other* batches in flight
+   on this worker, so a failure is only final once re-run with the backend to itself
+   (`ForwardGate`): another batch's poison never becomes this batch's error;
 4. encode vectors once per (prompt, dtype) and answer every request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,7 +43,7 @@ from .backends.base import AsyncLM
 from .outcome import Outcome
 from .request_stream import Entry
 
-__all__ = ["BatchProcessor", "MassComputer"]
+__all__ = ["BatchProcessor", "ForwardGate", "MassComputer"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,53 @@ class Job:
     request: Request
 
 
+class ForwardGate:
+    """Batches share the backend; a batch isolating a failure has it to itself.
+
+    Shared users enter freely unless an exclusive user holds or awaits the gate; an exclusive
+    user waits for the shared ones inside to leave. Counters change without awaiting, so a
+    cancelled user can never leave the gate closed.
+    """
+
+    def __init__(self) -> None:
+        self._shared = 0
+        self._exclusive_wanted = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._exclusive = asyncio.Lock()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        """Run alongside other shared users."""
+        while not self._open.is_set():
+            await self._open.wait()
+        self._shared += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._shared -= 1
+            if not self._shared:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Run alone: no shared user is inside meanwhile."""
+        self._exclusive_wanted += 1
+        self._open.clear()
+        try:
+            async with self._exclusive:
+                while self._shared:
+                    await self._idle.wait()
+                yield
+        finally:
+            self._exclusive_wanted -= 1
+            if not self._exclusive_wanted:
+                self._open.set()
+
+
 class BatchProcessor:
     """Answers batches of request entries with one backend and an optional shared cache."""
 
@@ -80,6 +129,7 @@ class BatchProcessor:
         self.max_prompt_tokens = max_prompt_tokens or backend.max_prompt_tokens
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses
+        self.gate = ForwardGate()
 
     async def process(self, entries: Sequence[Entry]) -> Outcome:
         """Answer every entry; never raises for a request's fault."""
@@ -127,7 +177,7 @@ class BatchProcessor:
         if request.kind == "mass" and self.mass_computer is None:
             raise BadRequest("this worker serves no trie mass requests")
 
-    # -- 2-4. answering ------------------------------------------------------------------------------
+    # -- 2-4. answering ----------------------------------------------------------------------------
     async def _answer(self, jobs: list[Job], outcome: Outcome) -> None:
         wanted = {(job.request.token_bytes, _vector_dtype(job.request)) for job in jobs}
         payloads = await self._cached_payloads(wanted)
@@ -145,11 +195,15 @@ class BatchProcessor:
         for job in jobs:
             await self._reply(job, payloads, computed, outcome)
 
-    async def _cached_payloads(self, wanted: set[tuple[bytes, str]]) -> dict[tuple[bytes, str], bytes]:
+    async def _cached_payloads(
+        self, wanted: set[tuple[bytes, str]]
+    ) -> dict[tuple[bytes, str], bytes]:
         if self.cache is None:
             return {}
         keys = sorted(wanted)
-        values = await self.cache.get_many([self.cache.key(dtype, prompt) for prompt, dtype in keys])
+        values = await self.cache.get_many(
+            [self.cache.key(dtype, prompt) for prompt, dtype in keys]
+        )
         return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
 
     async def _reply(
@@ -185,11 +239,13 @@ class BatchProcessor:
         """Log-probabilities (tensor) or the final error of each distinct prompt."""
         if not prompts:
             return {}
-        results = await self._run(prompts)
-        shared_failures = [p for p in prompts if _is_forward_failure(results[p])]
-        if len(shared_failures) > 1:
-            logger.info("a forward of %d prompts failed; bisecting", len(shared_failures))
-            results.update(await self._isolate(shared_failures))
+        async with self.gate.shared():
+            results = await self._run(prompts)
+        failures = [p for p in prompts if _is_forward_failure(results[p])]
+        if failures:
+            logger.info("a forward failed for %d prompts; isolating", len(failures))
+            async with self.gate.exclusive():
+                results.update(await self._isolate(failures))
         return {p: _final(r) for p, r in results.items()}
 
     async def _run(self, prompts: list[bytes]) -> dict[bytes, Any]:

@@ -46,6 +46,19 @@ def _stream_vanished(error: ResponseError) -> bool:
     return text.startswith(("NOGROUP", "UNBLOCKED"))
 
 
+_DELETE_IF_IDLE = """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then
+  return 0
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _entries(raw: Any) -> list[Entry]:
     """Entries from an XREADGROUP/XCLAIM reply, skipping ids whose fields were deleted."""
     entries = []
@@ -65,6 +78,7 @@ class RequestStream:
         self.stream = stream
         self.consumer = consumer
         self.group = group
+        self._delete_if_idle = redis.register_script(_DELETE_IF_IDLE)
 
     async def ensure_group(self) -> None:
         """Create the stream and group if missing (first start, or after a Redis restart)."""
@@ -77,13 +91,25 @@ class RequestStream:
 
     async def read_new(self, count: int, block_ms: int | None) -> list[Entry]:
         """Up to `count` never-delivered entries, blocking up to `block_ms` (None: no block)."""
-        return await self._read(">", count, block_ms)
+        return _entries(await self._read(">", count, block_ms))
 
-    async def read_own_pending(self, count: int) -> list[Entry]:
-        """Entries delivered to this consumer earlier and never acknowledged."""
-        return await self._read("0", count, None)
+    async def read_own_pending(
+        self, count: int, after: str = "0"
+    ) -> tuple[str | None, list[Entry]]:
+        """Up to `count` entries delivered to this consumer earlier and never acknowledged.
 
-    async def _read(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+        Each entry returned counts as one more delivery (Redis increments its counter).
+
+        Returns:
+            The id to continue after (None when nothing is left after `after`), and the
+            entries; pending ids whose entries were deleted are skipped.
+        """
+        rows = await self._read(after, count, None)
+        if not rows:
+            return None, []
+        return _text(rows[-1][0]), _entries(rows)
+
+    async def _read(self, start: str, count: int, block_ms: int | None) -> list[Any]:
         try:
             reply = await self.redis.xreadgroup(
                 self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
@@ -96,7 +122,7 @@ class RequestStream:
             return []
         if not reply:
             return []
-        return _entries(reply[0][1])
+        return list(reply[0][1])
 
     def ack(self, pipe: Any, entry_ids: Sequence[str]) -> None:
         """Queue XACK and XDEL of `entry_ids` on a pipeline: done, and gone from the stream."""
@@ -105,24 +131,37 @@ class RequestStream:
             pipe.xdel(self.stream, *entry_ids)
 
     async def touch(self, entry_ids: Sequence[str]) -> None:
-        """Reset the idle time of entries this worker still works on, so none reclaims them."""
+        """Reset the idle time of entries this worker still works on, so none reclaims them.
+
+        JUSTID keeps the delivery counters as they are.
+        """
         if entry_ids:
             await self.redis.xclaim(
                 self.stream, self.group, self.consumer, 0, list(entry_ids), justid=True
             )
 
-    async def autoclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
-        """Take over up to `count` entries idle for `min_idle_ms` from any consumer."""
+    async def autoclaim(
+        self, min_idle_ms: int, count: int, start: str = "0-0"
+    ) -> tuple[str, list[Entry]]:
+        """Take over up to `count` entries idle for `min_idle_ms` from any consumer.
+
+        Each claimed entry counts as one more delivery. Redis scans at most ``10 * count``
+        pending entries per call, so callers follow the returned cursor until it is ``0-0``.
+
+        Returns:
+            The cursor to continue from, and the claimed entries.
+        """
         try:
             reply = await self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
+                self.stream, self.group, self.consumer, min_idle_ms, start, count=count
             )
         except ResponseError as exc:
             if not _stream_vanished(exc):
                 raise
             await self.ensure_group()
-            return []
-        return _entries(reply[1])
+            return "0-0", []
+        cursor = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        return cursor, _entries(reply[1])
 
     async def pending_info(self, entry_ids: Sequence[str]) -> dict[str, PendingInfo]:
         """Delivery counts and owners of `entry_ids` (absent ids are not pending)."""
@@ -140,9 +179,31 @@ class RequestStream:
                 consumer = row["consumer"]
                 consumer = consumer.decode() if isinstance(consumer, bytes) else consumer
                 info[entry_id] = PendingInfo(
-                    entry_id, consumer, int(row["time_since_delivered"]), int(row["times_delivered"])
+                    entry_id,
+                    consumer,
+                    int(row["time_since_delivered"]),
+                    int(row["times_delivered"]),
                 )
         return info
+
+    async def consumers(self) -> list[tuple[str, int, int]]:
+        """Every consumer of the group as (name, pending entries, idle ms)."""
+        try:
+            rows = await self.redis.xinfo_consumers(self.stream, self.group)
+        except ResponseError as exc:
+            if not _stream_vanished(exc):
+                raise
+            return []
+        return [(_text(row["name"]), int(row["pending"]), int(row["idle"])) for row in rows]
+
+    async def delete_consumer_if_idle(self, consumer: str) -> bool:
+        """Delete `consumer` from the group if it has nothing pending, atomically.
+
+        XGROUP DELCONSUMER drops the consumer's pending entries with it, so the check and the
+        delete run as one script: a consumer that took work meanwhile is kept.
+        """
+        deleted = await self._delete_if_idle(keys=[self.stream], args=[self.group, consumer])
+        return bool(deleted)
 
     async def backlog(self) -> int:
         """Entries in the stream: pending plus not yet delivered (acked ones are deleted)."""

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.connections import bounded
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
 from shared.shared_cache import SharedCache
@@ -104,12 +105,12 @@ class Worker:
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then finish in-flight batches within the grace period."""
         await self._retry_until_up(self.publish, stop)
-        background = [
-            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
-            asyncio.create_task(self._janitor_loop(stop), name="janitor"),
-        ]
+        background = [asyncio.create_task(self._heartbeat(stop), name="heartbeat")]
         try:
-            await self._drain_own_pending()
+            await self._retry_until_up(self._drain_own_pending, stop)
+            # Only now: the janitor also claims this consumer's idle entries, and two claims of
+            # one entry at once would charge it two deliveries for one attempt.
+            background.append(asyncio.create_task(self._janitor_loop(stop), name="janitor"))
             await self._read_loop(stop)
         finally:
             await self._finish_inflight()
@@ -135,9 +136,21 @@ class Worker:
     # -- reading ---------------------------------------------------------------------------------
     async def _drain_own_pending(self) -> None:
         """Answer entries this consumer took before a crash or restart, before new work."""
-        while entries := await self.stream.read_own_pending(self.settings.batch_size):
-            logger.info("re-answering %d entries pending from a previous run", len(entries))
-            await self._handle(entries)
+        await self._recover(self.janitor.own_pending())
+
+    async def _recover(
+        self, entries: AsyncGenerator[Entry, None], stop: asyncio.Event | None = None
+    ) -> None:
+        """Answer entries delivered before, each alone (see `Janitor`); park exhausted ones."""
+        async with contextlib.aclosing(entries):
+            async for entry in entries:
+                parked = await self.janitor.park_if_exhausted(entry)
+                if parked is not None:
+                    await self._flush(parked)
+                else:
+                    await self._handle([entry])
+                if stop is not None and stop.is_set():
+                    return
 
     async def _read_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -145,7 +158,11 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                entries = await self._read_batch(block_ms=_IDLE_BLOCK_MS)
+                entries = await bounded(
+                    self._read_batch(block_ms=_IDLE_BLOCK_MS),
+                    _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
+                    "request read",
+                )
             except (*_REDIS_DOWN, ResponseError) as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
                 await _sleep_unless(stop, 0.5)
@@ -153,7 +170,13 @@ class Worker:
             if entries:
                 task = asyncio.create_task(self._handle(entries))
                 self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+                task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        """Forget a finished batch task; a failure leaves its entries pending for the janitor."""
+        self._inflight.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("a batch failed; its entries stay pending", exc_info=exc)
 
     async def _read_batch(self, block_ms: int | None) -> list[Entry]:
         """Up to batch_size entries: block for the first, then wait max_wait_ms for more."""
@@ -181,8 +204,10 @@ class Worker:
         interval_s = self.settings.claim_idle_ms / 3000
         while True:
             await asyncio.sleep(interval_s)
-            with contextlib.suppress(*_REDIS_DOWN):
+            try:
                 await self.stream.touch(entry_ids)
+            except (*_REDIS_DOWN, ResponseError) as exc:  # e.g. NOGROUP after a restart
+                logger.info("keeping claims fresh failed: %s", exc)
 
     async def _flush(self, outcome: Outcome, attempts: int = 20) -> None:
         """Write cache entries, replies, dead letters and acks; retry while Redis is down."""
@@ -190,7 +215,8 @@ class Worker:
             await self.processor.cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
         for attempt in range(attempts):
             try:
-                await self._write(outcome)
+                timeout_s = self.settings.redis.stall_timeout_s
+                await bounded(self._write(outcome), timeout_s, "writing replies")
                 return
             except _REDIS_DOWN as exc:
                 logger.warning("writing replies failed (%s); attempt %d", exc, attempt + 1)
@@ -208,9 +234,11 @@ class Worker:
                 pipe.expire(key, self.settings.reply_ttl_s)
             dead_stream = self.keys.dead_letters(self.settings.model)
             for entry, reason in outcome.dead:
-                fields = {**entry.fields, b"lmq.reason": reason.encode(),
-                          b"lmq.entry_id": entry.entry_id.encode()}  # fmt: skip
-                pipe.xadd(dead_stream, fields)
+                dead: dict[Any, bytes] = {**entry.fields, b"lmq.reason": reason.encode(),
+                                          b"lmq.entry_id": entry.entry_id.encode()}  # fmt: skip
+                # an archive for operators, not a queue: capped, unlike the request stream
+                pipe.xadd(dead_stream, dead, maxlen=self.settings.max_dead_letters or None,
+                          approximate=True)  # fmt: skip
             self.stream.ack(pipe, outcome.acks)
             await pipe.execute()
 
@@ -238,19 +266,19 @@ class Worker:
             await _sleep_unless(stop, self.settings.heartbeat_s)
 
     async def _janitor_loop(self, stop: asyncio.Event) -> None:
+        """Recover idle entries of dead workers and prune; no failure ends the loop."""
         interval_s = max(self.settings.claim_idle_ms / 2000, 0.05)
         while not stop.is_set():
             await _sleep_unless(stop, interval_s)
             if stop.is_set():
                 return
             try:
-                reclaimed, parked = await self.janitor.sweep()
-                if parked.replies or parked.dead:
-                    await self._flush(parked)
-                if reclaimed:
-                    await self._handle(reclaimed)
-            except _REDIS_DOWN as exc:
+                await self._recover(self.janitor.idle_entries(), stop)
+                await self.janitor.prune_if_due()
+            except (*_REDIS_DOWN, ResponseError) as exc:
                 logger.warning("janitor sweep failed: %s", exc)
+            except Exception:
+                logger.exception("janitor sweep failed")
 
     async def _retry_until_up(self, action: Any, stop: asyncio.Event) -> None:
         delay_s = 0.1
@@ -270,4 +298,3 @@ async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
     """Sleep `seconds`, waking early when `stop` is set."""
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(stop.wait(), timeout=seconds)
-

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,14 @@ class MockAsyncLM(AsyncLM):
             is used while waiting), so a worker's throughput is bounded as a real one's is.
         poison_token: a token id whose presence in a prompt fails the whole batch with
             `ModelError`, as a bad input can crash a shared forward pass (for fault tests).
+        crash_token: a token id whose presence in a batch kills the whole process at once
+            (``os._exit(1)``), as a segfaulting kernel would; for fault tests only.
+        oom_batch_size: batches of more prompts than this fail with `torch.OutOfMemoryError`,
+            as a GPU runs out of memory on a batch too large (for fault tests).
+        distinct_vectors: when > 0, that many vectors are computed once and each prompt gets
+            the one its digest picks (still deterministic), so a call costs no CPU beyond the
+            digest: transport and scaling benchmarks then measure the queue, not the mock.
+            The returned tensors are shared between calls; treat them as read-only.
     """
 
     backend_name = "mock"
@@ -39,11 +48,19 @@ class MockAsyncLM(AsyncLM):
         tokenizer: Any,
         batch_delay_s: float = 0.0,
         poison_token: int | None = None,
+        distinct_vectors: int = 0,
+        crash_token: int | None = None,
+        oom_batch_size: int | None = None,
         **vocab: Any,
     ) -> None:
         super().__init__(tokenizer, **vocab)
+        if distinct_vectors < 0:
+            raise ValueError(f"distinct_vectors={distinct_vectors!r}: must be >= 0")
         self.batch_delay_s = batch_delay_s
         self.poison_token = poison_token
+        self.crash_token = crash_token
+        self.oom_batch_size = oom_batch_size
+        self._vectors = [self._vector_of_seed(seed) for seed in range(distinct_vectors)]
         self.batch_sizes: list[int] = []
         self._waiting: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
         self._busy: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -63,7 +80,13 @@ class MockAsyncLM(AsyncLM):
         """The deterministic log-probability vector of one prompt."""
         ids = self.check_prompt(token_ids)
         digest = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=8).digest()
-        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        seed = int.from_bytes(digest, "little")
+        if self._vectors:
+            return self._vectors[seed % len(self._vectors)]
+        return self._vector_of_seed(seed)
+
+    def _vector_of_seed(self, seed: int) -> torch.Tensor:
+        rng = np.random.default_rng(seed)
         logits = torch.from_numpy(rng.standard_normal(self.vector_size, dtype=np.float32) * 3)
         return torch.log_softmax(logits, dim=-1)
 
@@ -107,7 +130,7 @@ class MockAsyncLM(AsyncLM):
         try:
             self._check_poison([ids for ids, _ in batch])
             results: list[Any] = [self.logprobs_of(ids) for ids, _ in batch]
-        except ModelError as exc:
+        except (ModelError, torch.OutOfMemoryError) as exc:
             results = [exc] * len(batch)
         for (_, future), result in zip(batch, results, strict=True):
             if future.done():
@@ -118,6 +141,10 @@ class MockAsyncLM(AsyncLM):
                 future.set_result(result)
 
     def _check_poison(self, prompts: list[list[int]]) -> None:
+        if self.crash_token is not None and any(self.crash_token in ids for ids in prompts):
+            os._exit(1)
+        if self.oom_batch_size is not None and len(prompts) > self.oom_batch_size:
+            raise torch.OutOfMemoryError(f"a batch of {len(prompts)} prompts does not fit")
         if self.poison_token is None:
             return
         if any(self.poison_token in ids for ids in prompts):

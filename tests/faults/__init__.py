@@ -1,0 +1,1 @@
+"""Fault injection: real worker processes, a real redis-server (docs/RELIABILITY.md)."""

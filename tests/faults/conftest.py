@@ -1,0 +1,135 @@
+"""Fixtures of the fault suite: a fresh redis-server per test, worker processes, figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from lmqueue.local_redis import LocalRedis
+from lmqueue.worker_processes import WorkerProcess
+from workers.backends.mock import MockAsyncLM
+
+from .harness import KEYS, MODEL, Figures
+
+#: Settings every fault-test worker gets unless a test overrides them: fast heartbeats.
+WORKER_ENV = {"LMQ_HEARTBEAT_S": "0.5", "LMQ_LOG_LEVEL": "INFO"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item, so fixtures can tell a failed test."""
+    outcome = yield
+    setattr(item, f"report_{call.when}", outcome.get_result())
+
+
+@pytest.fixture
+def fault_redis() -> Iterator[LocalRedis]:
+    """A redis-server of this test's own: tests kill and restart it."""
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def reference(smol_tokenizer: Any) -> MockAsyncLM:
+    """The in-process backend whose results every answer must equal, bit for bit."""
+    return MockAsyncLM(smol_tokenizer)
+
+
+class WorkerPool:
+    """Worker processes of one test; `spawn` waits until they serve."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.workers: list[WorkerProcess] = []
+
+    def spawn(
+        self,
+        redis_url: str,
+        count: int = 2,
+        *,
+        backend_opts: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        prefix: str = "w",
+    ) -> list[WorkerProcess]:
+        """Start `count` mock workers named ``<prefix><i>`` and wait until each is live."""
+        started = [
+            WorkerProcess(MODEL, "mock", redis_url, f"{prefix}{i}", backend_opts,
+                          {**WORKER_ENV, **(env or {})}, log_dir=self.log_dir).start()
+            for i in range(count)
+        ]  # fmt: skip
+        self.workers += started
+        self.wait_live(redis_url, started)
+        return started
+
+    def restart(self, redis_url: str, worker: WorkerProcess) -> None:
+        """Start a dead worker again under its name (as a supervisor would)."""
+        worker.start()
+
+    @staticmethod
+    def wait_live(redis_url: str, workers: list[WorkerProcess], timeout_s: float = 90) -> None:
+        """Block until every worker has beaten its heartbeat since now."""
+        since_ms = int(time.time() * 1000)
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                beats = dict(client.zrange(KEYS.model_workers(MODEL), 0, -1, withscores=True))
+                if all(beats.get(w.name.encode(), 0) >= since_ms for w in workers):
+                    return
+                for worker in workers:
+                    if not worker.alive:
+                        raise RuntimeError(f"{worker.name} exited:\n{worker.log()[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers not live in {timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop_all(self) -> None:
+        for worker in self.workers:
+            worker.stop(timeout_s=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name}\n{w.log()[-4000:]}" for w in self.workers)
+
+
+@pytest.fixture
+def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WorkerPool]:
+    """Start worker processes with `workers.spawn(...)`; all are stopped after the test."""
+    pool = WorkerPool(tmp_path)
+    yield pool
+    pool.stop_all()
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(pool.logs())
+
+
+@pytest.fixture(scope="session")
+def _all_figures(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
+    collected: list[dict[str, Any]] = []
+    yield collected
+    if not collected:
+        return
+    target = os.environ.get("LMQ_FAULT_FIGURES") or str(
+        tmp_path_factory.getbasetemp() / "fault-figures.json"
+    )
+    Path(target).write_text(json.dumps(collected, indent=2))
+    print(f"\nfault figures written to {target}")
+
+
+@pytest.fixture
+def record(_all_figures: list[dict[str, Any]]) -> Callable[[Figures], None]:
+    """Print a scenario's figures and keep them for the session's JSON file."""
+
+    def keep(figures: Figures) -> None:
+        print(f"\nFIGURES {figures.line()}")
+        _all_figures.append(figures.as_dict())
+
+    return keep

@@ -1,9 +1,9 @@
 """``lmq``: the command line.
 
-    lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a model
-    lmq submit "The capital of France is" --top-k 5                       ask once
-    lmq demo                                                               the whole pipeline
-    lmq bench {transport,model,scaling,cache,memory,trie}                  benchmarks
+lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a model
+lmq submit "The capital of France is" --top-k 5                       ask once
+lmq demo                                                               the whole pipeline
+lmq bench {transport,model,scaling,cache,memory,trie}                  benchmarks
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import demo
 
-    parser = argparse.ArgumentParser(prog="lmq", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     worker_parser(commands.add_parser("worker", help="serve a model from its request stream"))
     submit = commands.add_parser("submit", help="print the most likely next tokens of a text")
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", default="smollm2-135m")
     submit.add_argument("--redis-url", default=None)
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
+    # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
+    commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
     return parser
 
 
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from workers.main import main as worker_main
 
         return worker_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "submit":
         return _submit(args)

@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--redis-url", default=None, help="default: $REDIS_URL, else a private server")
+    parser.add_argument(
+        "--redis-url", default=None, help="default: $REDIS_URL, else a private server"
+    )
 
 
 @contextlib.contextmanager
@@ -53,8 +55,9 @@ def _redis(url: str | None) -> Iterator[str]:
 def _workers(args: argparse.Namespace, url: str) -> Iterator[list[WorkerProcess]]:
     stamp = int(time.time())
     workers = [
-        WorkerProcess(args.model, args.backend, url, f"demo-{stamp}-{i}",
-                      env={"LMQ_LOG_LEVEL": "WARNING"}).start()  # fmt: skip
+        WorkerProcess(
+            args.model, args.backend, url, f"demo-{stamp}-{i}", env={"LMQ_LOG_LEVEL": "WARNING"}
+        ).start()
         for i in range(args.workers)
     ]
     print(f"started {len(workers)} {args.backend} worker(s) for {args.model}; loading the model...")
@@ -77,10 +80,15 @@ async def _generate(args: argparse.Namespace, url: str, workers: list[WorkerProc
         allowed = lipogram_mask(lm.byte_vocab)
         with tqdm(total=args.steps, desc="SMC steps", unit="step") as bar:
             result = await run_smc(
-                lm, prompt, args.particles, args.steps, allowed=allowed,
-                eos_token_ids=lm.info.eos_token_ids, seed=args.seed,
+                lm,
+                prompt,
+                args.particles,
+                args.steps,
+                allowed=allowed,
+                eos_token_ids=lm.info.eos_token_ids,
+                seed=args.seed,
                 on_step=lambda _: bar.update(1),
-            )  # fmt: skip
+            )
         _report(result, tokenizer, lm)
 
 

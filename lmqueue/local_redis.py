@@ -51,15 +51,23 @@ class LocalRedis:
         """Start the server and wait until it answers PING."""
         args = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-            "--maxmemory", self.maxmemory,
-            "--maxmemory-policy", self.policy,
-            "--logfile", str(self._dir / "redis.log"),
-        ]  # fmt: skip
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._dir),
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            self.policy,
+            "--logfile",
+            str(self._dir / "redis.log"),
+        ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -133,6 +133,4 @@ def _resample(particles: list[Particle], rng: np.random.Generator) -> list[Parti
     mean_log_weight = float(top + math.log(unnormalized.sum()) - math.log(len(particles)))
     probs = unnormalized / unnormalized.sum()
     picks = rng.choice(len(particles), size=len(particles), p=probs)
-    return [
-        Particle(list(particles[i].tokens), mean_log_weight, particles[i].done) for i in picks
-    ]
+    return [Particle(list(particles[i].tokens), mean_log_weight, particles[i].done) for i in picks]

@@ -37,10 +37,19 @@ class WorkerProcess:
     ) -> None:
         self.name = name
         self.args = [
-            sys.executable, "-m", "workers",
-            "--model", model, "--backend", backend, "--redis-url", redis_url, "--name", name,
+            sys.executable,
+            "-m",
+            "workers",
+            "--model",
+            model,
+            "--backend",
+            backend,
+            "--redis-url",
+            redis_url,
+            "--name",
+            name,
             *extra_args,
-        ]  # fmt: skip
+        ]
         if backend_opts:
             self.args += ["--backend-opts", json.dumps(backend_opts)]
         self.env = {**os.environ, **(env or {})}

@@ -100,4 +100,5 @@ class KeySpace:
 
     def cache_entry(self, model: str, revision: str, kind: str, token_bytes: bytes) -> str:
         """The shared-cache key of one result: model, revision, result kind, exact tokens."""
-        return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{token_digest(token_bytes)}"
+        digest = token_digest(token_bytes)
+        return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{digest}"

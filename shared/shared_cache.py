@@ -36,7 +36,9 @@ class SharedCache:
 
     def key(self, dtype: str, token_bytes: bytes) -> str:
         """The cache key of the log-probabilities of `token_bytes` in `dtype`."""
-        return self._keys.cache_entry(self._model, self._revision, logprobs_kind(dtype), token_bytes)
+        return self._keys.cache_entry(
+            self._model, self._revision, logprobs_kind(dtype), token_bytes
+        )
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of `keys` in order, None for misses; all misses if the cache is unreachable."""

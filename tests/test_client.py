@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from workers_in_threads import ThreadedWorker
 
 from producer import QueueLM
 from shared.errors import (
@@ -21,7 +22,6 @@ from shared.errors import (
     UnknownModel,
 )
 from workers.backends.mock import MockAsyncLM
-from workers_in_threads import ThreadedWorker
 
 
 @pytest.fixture
@@ -92,9 +92,14 @@ async def test_the_local_cache_answers_repeats_without_redis(lm):
 
 @pytest.mark.parametrize(
     ("tokens", "error"),
-    [([], EmptyPrompt), ([49152], TokenOutOfVocabulary), ([1.5], TokenOutOfVocabulary),
-     ([[1, 2]], TokenOutOfVocabulary), ([1] * 9000, PromptTooLong)],
-)  # fmt: skip
+    [
+        ([], EmptyPrompt),
+        ([49152], TokenOutOfVocabulary),
+        ([1.5], TokenOutOfVocabulary),
+        ([[1, 2]], TokenOutOfVocabulary),
+        ([1] * 9000, PromptTooLong),
+    ],
+)
 async def test_bad_prompts_fail_at_once_with_typed_errors(lm, tokens, error):
     lm.info = type(lm.info)(**{**lm.info.__dict__, "max_prompt_tokens": 8192})
     with pytest.raises(error):
@@ -145,7 +150,9 @@ async def test_cancelling_one_waiter_leaves_the_others_waiting(backend, redis_ur
         served.stop()
 
 
-async def test_closing_the_client_fails_pending_requests_with_cancelled(backend, redis_url, smol_tokenizer):
+async def test_closing_the_client_fails_pending_requests_with_cancelled(
+    backend, redis_url, smol_tokenizer
+):
     slow = MockAsyncLM(smol_tokenizer, batch_delay_s=1.0)
     served = ThreadedWorker(slow, redis_url).start()
     try:

@@ -42,12 +42,16 @@ def redis_url(e2e_redis):
     return e2e_redis
 
 
-async def test_two_worker_processes_answer_hundreds_of_futures_exactly(mock_workers, redis_url, smol_tokenizer):
+async def test_two_worker_processes_answer_hundreds_of_futures_exactly(
+    mock_workers, redis_url, smol_tokenizer
+):
     reference = MockAsyncLM(smol_tokenizer)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 49152, size=int(rng.integers(1, 40))).tolist() for _ in range(400)]
     prompts += prompts[:50]  # repeats share in-flight requests
-    async with await QueueLM.connect("smollm2-135m", redis_url=redis_url, connect_timeout_s=60) as lm:
+    async with await QueueLM.connect(
+        "smollm2-135m", redis_url=redis_url, connect_timeout_s=60
+    ) as lm:
         results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
         stats = lm.stats
     for prompt, result in zip(prompts, results, strict=True):
@@ -56,7 +60,9 @@ async def test_two_worker_processes_answer_hundreds_of_futures_exactly(mock_work
 
 
 async def test_bad_inputs_fail_on_their_own_futures_and_the_rest_succeed(mock_workers, redis_url):
-    async with await QueueLM.connect("smollm2-135m", redis_url=redis_url, connect_timeout_s=60) as lm:
+    async with await QueueLM.connect(
+        "smollm2-135m", redis_url=redis_url, connect_timeout_s=60
+    ) as lm:
         outcomes = await asyncio.gather(
             lm.next_token_logprobs([1, 2]),
             lm.next_token_logprobs([]),
@@ -86,8 +92,11 @@ def test_lmq_submit_prints_the_most_likely_next_tokens(mock_workers, redis_url):
     env = {**os.environ, "REDIS_URL": redis_url}
     done = subprocess.run(
         [sys.executable, "-m", "lmqueue", "submit", "The cat sat on the", "--top-k", "3"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 3

@@ -37,9 +37,12 @@ def _entry(n: int, tokens: list[int], **fields) -> Entry:
 
 
 def _replies(outcome):
-    return {decode_reply({k.encode(): v for k, v in fields.items()}).request_id:
-            decode_reply({k.encode(): v for k, v in fields.items()})
-            for _, fields in outcome.replies}  # fmt: skip
+    return {
+        decode_reply({k.encode(): v for k, v in fields.items()}).request_id: decode_reply(
+            {k.encode(): v for k, v in fields.items()}
+        )
+        for _, fields in outcome.replies
+    }
 
 
 async def test_each_request_gets_one_reply_and_every_entry_is_acked(backend):
@@ -79,7 +82,9 @@ async def test_float16_requests_get_float16_payloads(backend):
         ([1], {"kind": "mass"}, BadRequest),
     ],
 )
-async def test_bad_requests_get_typed_errors_and_never_reach_the_model(backend, tokens, fields, error):
+async def test_bad_requests_get_typed_errors_and_never_reach_the_model(
+    backend, tokens, fields, error
+):
     processor = BatchProcessor(backend, cache=None, max_prompt_tokens=8192)
     outcome = await processor.process([_entry(0, tokens, **fields), _entry(1, [5])])
     replies = _replies(outcome)
@@ -103,9 +108,12 @@ async def test_malformed_entries_with_a_sender_get_an_error_reply(backend):
 
 @pytest.mark.parametrize(
     "fields",
-    [{b"m": b"\xff\xfe"}, {b"junk": b"1"},
-     {b"m": msgpack.packb({"v": 1, "id": "x", "client": "../../evil", "kind": "nope"})}],
-)  # fmt: skip
+    [
+        {b"m": b"\xff\xfe"},
+        {b"junk": b"1"},
+        {b"m": msgpack.packb({"v": 1, "id": "x", "client": "../../evil", "kind": "nope"})},
+    ],
+)
 async def test_anonymous_malformed_entries_are_dead_lettered(backend, fields):
     outcome = await BatchProcessor(backend, cache=None).process([Entry("1-1", fields)])
     assert not outcome.replies and len(outcome.dead) == 1 and outcome.acks == ["1-1"]

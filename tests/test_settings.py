@@ -61,9 +61,9 @@ def test_client_settings_check_the_wire_dtype():
 def test_the_cache_role_defaults_to_the_queue_instance():
     settings = RedisSettings.from_url("redis://q:1/0")
     assert settings.effective_cache_url == "redis://q:1/0"
-    assert RedisSettings.from_url("redis://q:1/0", cache_url="redis://c:2/0").effective_cache_url == (
-        "redis://c:2/0"
-    )
+    assert RedisSettings.from_url(
+        "redis://q:1/0", cache_url="redis://c:2/0"
+    ).effective_cache_url == ("redis://c:2/0")
 
 
 def test_invalid_tenant_names_are_refused():

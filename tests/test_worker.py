@@ -1,4 +1,4 @@
-"""The worker against a real redis-server: replies, acks, cache, registry, dead letters, recovery."""
+"""The worker against a real redis-server: replies, acks, cache, registry, dead letters."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def backend(smol_tokenizer):
 @pytest.fixture
 def make_worker(aredis, redis_url, backend):
     def make(name: str = "w1", **settings) -> Worker:
-        ws = WorkerSettings(model=MODEL, backend="mock", redis=RedisSettings(url=redis_url),
-                            name=name, **settings)  # fmt: skip
+        ws = WorkerSettings(
+            model=MODEL, backend="mock", redis=RedisSettings(url=redis_url), name=name, **settings
+        )
         return Worker(ws, backend, aredis)
 
     return make
@@ -160,5 +161,5 @@ async def test_the_dead_letter_reason_does_not_lose_the_original_fields(aredis, 
     fields = {"m": msgpack.packb({"v": 1, "client": "bad id!"}), "extra": b"kept"}
     await aredis.xadd(KEYS.requests(MODEL), fields)
     await worker.run_until_idle()
-    (_, dead_fields), = await aredis.xrange(KEYS.dead_letters(MODEL))
+    ((_, dead_fields),) = await aredis.xrange(KEYS.dead_letters(MODEL))
     assert dead_fields[b"extra"] == b"kept" and dead_fields[b"lmq.entry_id"]

@@ -34,7 +34,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--model", help="model alias, directory or hub id (LMQ_MODEL)")
     parser.add_argument("--backend", choices=["hf", "mock", "vllm", "sgl"], help="(LMQ_BACKEND)")
     parser.add_argument("--redis-url", help="queue Redis (LMQ_REDIS_URL or REDIS_URL)")
-    parser.add_argument("--cache-url", help="shared-cache Redis, default: the queue's (LMQ_CACHE_URL)")
+    parser.add_argument(
+        "--cache-url", help="shared-cache Redis, default: the queue's (LMQ_CACHE_URL)"
+    )
     parser.add_argument("--name", help="stable consumer name (LMQ_NAME), default host-pid")
     parser.add_argument("--batch-size", type=int, help="entries per read (LMQ_BATCH_SIZE)")
     parser.add_argument("--max-wait-ms", type=int, help="wait to fill a batch (LMQ_MAX_WAIT_MS)")

@@ -1,0 +1,174 @@
+"""``lmq bench model``: an SMC workload on SmolLM2-135M, lmqueue against genlm-backend in-process.
+
+Three sides run the same sampler (`workload.Workload`: 16 particles, a 100-token prompt, 24
+steps, lipogram constraint with resampling), one after another in one run:
+
+* ``genlm``: genlm-backend 0.3.1's ``AsyncTransformer`` in this process, built from the same
+  model and tokenizer objects, with ``cache_kv(prompt)`` first as its documentation advises;
+* ``inprocess``: lmqueue's own HF backend (`workers.backends.hf.AsyncTransformer`) in this
+  process with the worker's batching settings, also with ``cache_kv(prompt)``: the backend's
+  speed without the queue;
+* ``lmqueue``: a `QueueLM` client and ONE hf worker process over Redis, defaults throughout; its
+  warm-up is one call on the prompt (what ``cache_kv`` gives the others).
+
+The worker process is started first and is idle (heartbeats only) while the in-process sides
+run, so its loading never overlaps a timed run. Figures are next-token calls per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import statistics
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from shared.settings import ClientSettings, RedisSettings
+from shared.vocab import decode_vocab
+
+from .report import DEFAULT_OUT_DIR, Report, command_parser
+from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
+from .workload import Workload, result_figures
+
+__all__ = ["add_arguments", "run", "main"]
+
+SIDES = ("genlm", "inprocess", "lmqueue")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--particles", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of all sides; median kept")
+    parser.add_argument("--timeout-s", type=float, default=600, help="fail a side that hangs")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns the result written to ``<out-dir>/model.json``."""
+    from workers.models import load_causal_lm, load_tokenizer
+
+    report = Report("model", {k: str(v) for k, v in vars(args).items()})
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(redis_server())
+        workers = []
+        if "lmqueue" in sides:  # started first: it loads while this process loads its copy
+            spec = dict(model=args.model, backend="hf", redis_url=server.url, tag="model")
+            workers = stack.enter_context(worker_pool(1, **spec))
+        tokenizer = load_tokenizer(args.model)
+        model = load_causal_lm(args.model)
+        workload = Workload.for_tokenizer(
+            tokenizer, decode_vocab(tokenizer)[0], args.prompt_tokens,
+            particles=args.particles, steps=args.steps, seed=args.seed,
+        )  # fmt: skip
+        report.figure("prompt_tokens", len(workload.prompt))
+        if workers:
+            asyncio.run(wait_for_workers(server.url, args.model, workers))
+        runners: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+            "genlm": lambda: _genlm(model, tokenizer, workload),
+            "inprocess": lambda: _inprocess(model, tokenizer, workload),
+            "lmqueue": lambda: _lmqueue(args.model, server.url, workers, workload),
+        }
+        per_s = _rounds({side: runners[side] for side in sides}, args, report)
+    return report.finish(*_ratios(per_s), args.out_dir)
+
+
+def _rounds(
+    runners: dict[str, Callable[[], Awaitable[dict[str, Any]]]],
+    args: argparse.Namespace,
+    report: Report,
+) -> dict[str, float]:
+    """Run every side `args.repeats` times, interleaved; the median calls/s of each.
+
+    Interleaving means a load spike on a shared machine slows one round of every side rather
+    than every round of one side.
+    """
+    rounds: dict[str, list[float]] = {side: [] for side in runners}
+    for index in range(args.repeats):
+        for side, runner in runners.items():
+            figures = asyncio.run(asyncio.wait_for(runner(), args.timeout_s))
+            gc.collect()
+            rounds[side].append(figures["calls_per_s"])
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())
+            line = (
+                f"{side:<10} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
+                f"{figures['resamples']} resamples, {figures['elapsed_s']:.1f} s; "
+                f"CPU ms/call: {cpu})"
+            )
+            report.figure(f"{side}.round{index}", figures, line=line)
+    per_s = {side: statistics.median(values) for side, values in rounds.items()}
+    if args.repeats > 1:
+        for side, value in per_s.items():
+            line = f"{side:<10} median {value:7.2f} calls/s"
+            report.figure(f"{side}.median_calls_per_s", value, line=line)
+    return per_s
+
+
+def _ratios(per_s: dict[str, float]) -> tuple[dict[str, float | None], str]:
+    def ratio(a: str, b: str) -> float | None:
+        return round(per_s[a] / per_s[b], 3) if a in per_s and per_s.get(b) else None
+
+    ratios = {
+        "lmqueue_over_genlm": ratio("lmqueue", "genlm"),
+        "inprocess_over_genlm": ratio("inprocess", "genlm"),
+        "lmqueue_over_inprocess": ratio("lmqueue", "inprocess"),
+    }
+    shown = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if v is not None)
+    summary = f"model ratio: {shown}  [target lmqueue/genlm >= 1.0x, aim 2x]"
+    return ratios, summary
+
+
+async def _genlm(model: Any, tokenizer: Any, workload: Workload) -> dict[str, Any]:
+    from genlm.backend.llm import AsyncTransformer as GenlmTransformer
+
+    lm = GenlmTransformer(model, tokenizer)
+    lm.cache_kv(workload.prompt)
+    meter = CpuMeter({"process": [os.getpid()]})
+    meter.start()
+    result = await workload.run(lm)
+    cpu = meter.stop()
+    lm.clear_cache()
+    return result_figures(result, cpu)
+
+
+async def _inprocess(model: Any, tokenizer: Any, workload: Workload) -> dict[str, Any]:
+    from workers.backends.hf import AsyncTransformer
+
+    # The settings a worker gives its backend (workers.backend_loader with default settings).
+    lm = AsyncTransformer(model, tokenizer, batch_size=32, timeout=0.005, max_batch_tokens=8192)
+    async with lm:
+        lm.cache_kv(workload.prompt)
+        meter = CpuMeter({"process": [os.getpid()]})
+        meter.start()
+        result = await workload.run(lm)
+        cpu = meter.stop()
+    return result_figures(result, cpu)
+
+
+async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> dict[str, Any]:
+    settings = ClientSettings(redis=RedisSettings(url=url))
+    async with await connect_client(model, settings, workers) as lm:
+        await lm.next_token_logprobs(workload.prompt)
+        meter = CpuMeter({"client": [os.getpid()], "worker": [w.pid for w in workers]})
+        meter.start()
+        result = await workload.run(lm)
+        cpu = meter.stop()
+        stats = lm.stats
+    return {**result_figures(result, cpu), "client_stats": stats}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lmq bench model [flags]``."""
+    parser = command_parser("model", __doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0

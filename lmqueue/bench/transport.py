@@ -1,0 +1,167 @@
+"""``lmq bench transport``: full-vocabulary replies per second, lmqueue against the raw probe.
+
+The mock backend does no compute (``distinct_vectors``: vectors precomputed once), so what is
+measured is the queue: the client, the worker's read-decode-encode-write loop and Redis. Each
+dtype runs three configurations, interleaved, in one run:
+
+* ``probe``: redis-py alone moving the same payloads in the same process layout (`probe`);
+* ``defaults``: lmqueue as shipped, worker writing every result to a separate LRU cache
+  instance and the client looking there first (the recommended two-instance layout);
+* ``no_cache``: cache writes off (``LMQ_CACHE_WRITES=0``) and ``use_shared_cache=False``.
+
+Prompts are all distinct, so no reply comes from a cache or from deduplication. Besides
+replies per second, each window reports the CPU microseconds per reply of the client, the
+worker (or probe reader) and Redis, which a loaded machine distorts far less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from producer import QueueLM
+from shared.settings import ClientSettings, RedisSettings
+
+from .load import Window, closed_loop, distinct_prompt
+from .probe import run_probe
+from .report import DEFAULT_OUT_DIR, Report, command_parser
+from .stack import (
+    CpuMeter,
+    connect_client,
+    redis_server,
+    server_pid,
+    wait_for_workers,
+    worker_pool,
+)
+
+__all__ = ["add_arguments", "run", "main"]
+
+_BYTES = {"float32": 4, "float16": 2}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    parser.add_argument("--model", default="smollm2-135m", help="whose vocabulary sizes vectors")
+    parser.add_argument("--dtypes", default="float32,float16", help="wire dtypes, comma-separated")
+    parser.add_argument("--concurrency", type=int, default=512, help="calls kept outstanding")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--measure-s", type=float, default=6.0)
+    parser.add_argument("--distinct-vectors", type=int, default=64)
+    parser.add_argument("--cache-maxmemory", default="256mb", help="of the defaults' cache Redis")
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns the result written to ``<out-dir>/transport.json``."""
+    report = Report("transport", {k: str(v) for k, v in vars(args).items()})
+    ratios = asyncio.run(_run(args, report))
+    parts = []
+    for dtype in _dtypes(args):
+        defaults, no_cache = ratios[f"{dtype}.defaults"], ratios[f"{dtype}.no_cache"]
+        parts.append(f"{dtype} {defaults:.2f}x (defaults) {no_cache:.2f}x (cache writes off)")
+    headline = {k: v for k, v in ratios.items() if not k.endswith(".cpu")}
+    summary = "transport ratio lmqueue/raw-probe: " + "; ".join(parts) + "  [target >= 0.9x]"
+    return report.finish({**headline, **ratios}, summary, args.out_dir)
+
+
+def _dtypes(args: argparse.Namespace) -> list[str]:
+    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+
+async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
+    with contextlib.ExitStack() as stack:
+        queue_a = stack.enter_context(redis_server())
+        cache_a = stack.enter_context(redis_server(args.cache_maxmemory, "allkeys-lru"))
+        queue_b = stack.enter_context(redis_server())
+        probe_redis = stack.enter_context(redis_server())
+        common = dict(
+            model=args.model,
+            backend="mock",
+            backend_opts={"distinct_vectors": args.distinct_vectors},
+        )
+        workers_a = stack.enter_context(
+            worker_pool(1, redis_url=queue_a.url, cache_url=cache_a.url, tag="defaults", **common)
+        )
+        workers_b = stack.enter_context(
+            worker_pool(
+                1, redis_url=queue_b.url, tag="nocache", env={"LMQ_CACHE_WRITES": "0"}, **common
+            )
+        )
+        defaults = ClientSettings(redis=RedisSettings(url=queue_a.url, cache_url=cache_a.url))
+        no_cache = ClientSettings(redis=RedisSettings(url=queue_b.url), use_shared_cache=False)
+        configs = {
+            "defaults": (workers_a, [server_pid(queue_a), server_pid(cache_a)], defaults),
+            "no_cache": (workers_b, [server_pid(queue_b)], no_cache),
+        }
+        for workers, _, settings in configs.values():
+            await wait_for_workers(settings.redis.url, args.model, workers)
+        size = await _vector_size(args.model, configs["no_cache"][2], workers_b)
+        report.figure("vector_size", size)
+        ratios: dict[str, float] = {}
+        for salt, dtype in enumerate(_dtypes(args)):
+            window = await run_probe(
+                probe_redis.url, server_pid(probe_redis), dtype, size,
+                args.concurrency, args.warmup_s, args.measure_s,
+            )  # fmt: skip
+            probe = _record(report, f"{dtype}.probe", window, size * _BYTES[dtype])
+            for offset, (name, (workers, redis_pids, settings)) in enumerate(configs.items()):
+                pids = {"client": [os.getpid()], "worker": [w.pid for w in workers]}
+                meter = CpuMeter({**pids, "redis": redis_pids})
+                lm = await connect_client(args.model, replace(settings, wire_dtype=dtype), workers)
+                async with lm:
+                    window = await _measure(lm, 1000 * salt + offset, args, meter)
+                    report.figure(
+                        f"{dtype}.{name}.client_stats", lm.stats, line=f"client stats {lm.stats}"
+                    )
+                ours = _record(report, f"{dtype}.{name}", window, size * _BYTES[dtype])
+                key = f"{dtype}.{name}"
+                ratios[key] = round(ours[0] / probe[0], 3) if probe[0] else 0.0
+                ratios[f"{key}.cpu"] = round(probe[1] / ours[1], 3) if ours[1] else 0.0
+                report.figure(
+                    f"{key}.vs_probe", ratios[key], line=_versus(key, ratios, ours, probe)
+                )
+    return ratios
+
+
+async def _measure(lm: QueueLM, salt: int, args: argparse.Namespace, meter: CpuMeter) -> Window:
+    async def call(index: int) -> None:
+        await lm.next_token_logprobs(distinct_prompt(index, salt))
+
+    return await closed_loop(call, args.concurrency, args.warmup_s, args.measure_s, meter)
+
+
+async def _vector_size(model: str, settings: ClientSettings, workers: Any) -> int:
+    async with await connect_client(model, settings, workers) as lm:
+        return lm.info.vector_size
+
+
+def _versus(
+    key: str, ratios: dict[str, float], ours: tuple[float, float], probe: tuple[float, float]
+) -> str:
+    return (
+        f"{key}: {ratios[key]:.2f}x the probe's replies/s, {ratios[key + '.cpu']:.2f}x its CPU "
+        f"efficiency ({ours[1]:.0f} vs {probe[1]:.0f} CPU us per reply, all processes)"
+    )
+
+
+def _record(report: Report, key: str, window: Window, payload_bytes: int) -> tuple[float, float]:
+    """Print and keep a window's figures; its replies/s and total CPU us per reply."""
+    cpu = window.cpu_us_per_reply()
+    gbps = window.per_s * payload_bytes / 1e9
+    line = (f"{key:<18} {window.per_s:8.1f} replies/s  {gbps:5.2f} GB/s  CPU us/reply: "
+            + ", ".join(f"{name} {us:.0f}" for name, us in cpu.items()))  # fmt: skip
+    report.figure(key, {**window.as_dict(), "payload_gb_per_s": round(gbps, 3)}, line=line)
+    return window.per_s, sum(cpu.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lmq bench transport [flags]``."""
+    parser = command_parser("transport", __doc__)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0

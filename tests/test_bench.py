@@ -1,0 +1,93 @@
+"""The benchmark harness runs end to end in a tiny configuration, so it cannot rot unnoticed.
+
+Only structure and sanity are checked (figures present, throughput positive, ratios computed),
+never speed: timings on a shared test machine mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("psutil")
+
+from lmqueue.bench import main as bench_main  # noqa: E402
+from lmqueue.bench.load import Window, distinct_prompt, percentile  # noqa: E402
+
+
+def _last_line(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def _result(out_dir: Path, name: str) -> dict[str, Any]:
+    result = json.loads((out_dir / f"{name}.json").read_text())
+    assert result["benchmark"] == name
+    assert result["machine"]["nproc"] >= 1
+    assert result["summary"]
+    return result
+
+
+def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--dtypes float16 --concurrency 32 --warmup-s 0.3 --measure-s 1"
+    argv = ["transport", *flags.split(), "--out-dir", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _result(tmp_path, "transport")
+    for config in ("probe", "defaults", "no_cache"):
+        window = result["figures"][f"float16.{config}"]
+        assert window["replies"] > 0
+        assert window["replies_per_s"] > 0
+        assert set(window["cpu_us_per_reply"]) == {"client", "worker", "redis"}
+    configs = ("float16.defaults", "float16.no_cache")
+    assert set(result["ratios"]) == {*configs, *(f"{c}.cpu" for c in configs)}
+    assert all(ratio > 0 for ratio in result["ratios"].values())
+    last = _last_line(capsys.readouterr().out)
+    assert last == result["summary"]
+    assert last.startswith("transport ratio lmqueue/raw-probe: float16")
+
+
+def test_cache_benchmark_answers_every_timed_call_from_the_shared_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--dtypes float32 --calls 200 --prompts 16"
+    argv = ["cache", *flags.split(), "--out-dir", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _result(tmp_path, "cache")
+    figures = result["figures"]["float32"]
+    assert figures["calls"] == 200
+    assert figures["shared_cache_hits"] == 200
+    assert figures["sent_to_workers"] == 0
+    assert 0 < figures["p50_ms"] <= figures["p99_ms"]
+    assert figures["raw_get_p50_ms"] > 0
+    assert result["ratios"]["float32.p50_over_target"] > 0
+    assert _last_line(capsys.readouterr().out).startswith("cache hit latency: float32 p50")
+
+
+def test_an_unknown_benchmark_name_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["no-such-benchmark"]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+
+
+def test_throughput_is_the_slope_of_completions_so_batch_bursts_do_not_skew_it() -> None:
+    # 32 replies every 0.4 s, a 5 s window opening mid-cycle: counting gives 83.2/s.
+    times = [0.15 + 0.4 * k for k in range(13) for _ in range(32)]
+    window = Window(len(times), 5.0, {}, times)
+    assert window.per_s == pytest.approx(83.2)
+    assert window.fitted_per_s == pytest.approx(80.0)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_distinct_prompts_never_repeat_within_a_run() -> None:
+    prompts = {tuple(distinct_prompt(i, salt=5)) for i in range(100_000)}
+    assert len(prompts) == 100_000
+    assert max(max(p) for p in prompts) <= 32_768

@@ -1,5 +1,6 @@
 """The client side: `QueueLM`, a drop-in `AsyncLM` whose computation happens on workers."""
 
 from .client import QueueLM
+from .queue_trie import QueueTrie
 
-__all__ = ["QueueLM"]
+__all__ = ["QueueLM", "QueueTrie"]

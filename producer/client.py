@@ -178,7 +178,7 @@ class QueueLM:
         local = self.local_cache.get(token_bytes)
         if local is not None:
             return local
-        vector = await self._request(token_bytes, "logprobs", self.settings.wire_dtype)
+        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
         tensor = _to_float32_tensor(vector)
         self.local_cache[token_bytes] = tensor
         return tensor
@@ -210,8 +210,13 @@ class QueueLM:
         self.local_cache.clear()
 
     # -- requests ----------------------------------------------------------------------------------
-    async def _request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
-        """Submit (or join) one request and wait for its vector."""
+    async def request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
+        """Submit (or join) one request and wait for its raw result vector (read-only).
+
+        The layer under `next_token_logprobs` and `QueueTrie`. Args: the prompt as
+        little-endian int32 bytes, the kind (``logprobs`` or ``mass``), the wire dtype, and
+        for masses the `Request` fields ``mass_op``, ``node_bytes``, ``vocab_digest``.
+        """
         if self._closed:
             raise Cancelled("the client is closed")
         dedup_key = (token_bytes, kind, dtype, *sorted(extra.items()))

@@ -9,13 +9,14 @@ tokens are stored verbatim and become their UTF-8 bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any
 
 from .tokens import Token
 
-__all__ = ["decode_vocab", "byte_vocab_of", "str_vocab_of", "VocabularyError"]
+__all__ = ["decode_vocab", "byte_vocab_of", "str_vocab_of", "vocab_digest", "VocabularyError"]
 
 _SP_SPACE = "\u2581"
 _SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -89,6 +90,15 @@ def str_vocab_of(byte_vocab: list[bytes], tokenizer: Any = None) -> list[str]:
             else:
                 strings.append(raw.decode("utf-8", errors="replace"))
     return strings
+
+
+def vocab_digest(byte_vocab: list[bytes]) -> str:
+    """A short digest of a byte vocabulary: equal digests mean equal trie node numbering."""
+    digest = hashlib.blake2b(digest_size=12)
+    for token in byte_vocab:
+        digest.update(len(token).to_bytes(4, "little"))
+        digest.update(bytes(token))
+    return digest.hexdigest()
 
 
 def _byte_level_bytes(piece: str, token_id: int) -> bytes:

@@ -89,6 +89,8 @@ class Request:
     deadline_ms: int = 0
     mass_op: str = "sum"
     node_bytes: bytes | None = None
+    #: Mass requests: digest of the vocabulary the client numbered trie nodes with.
+    vocab_digest: str | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -138,6 +140,8 @@ def encode_request(request: Request) -> dict[str, bytes]:
         envelope["op"] = request.mass_op
         if request.node_bytes is not None:
             envelope["nodes"] = request.node_bytes
+        if request.vocab_digest is not None:
+            envelope["vocab"] = request.vocab_digest
     return {"m": msgpack.packb(envelope, use_bin_type=True)}
 
 
@@ -173,7 +177,7 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
     if dtype not in VECTOR_DTYPES:
         raise MalformedMessage(f"unknown vector dtype {dtype!r}")
     deadline_ms = _field(envelope, "deadline_ms", int)
-    mass_op, node_bytes = "sum", None
+    mass_op, node_bytes, vocab = "sum", None, None
     if kind == "mass":
         mass_op = _field(envelope, "op", str)
         if mass_op not in MASS_OPS:
@@ -181,7 +185,11 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
         if "nodes" in envelope:
             node_bytes = _field(envelope, "nodes", bytes)
             bytes_to_ids(node_bytes)
-    return Request(request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes)
+        if "vocab" in envelope:
+            vocab = _field(envelope, "vocab", str)
+    return Request(
+        request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes, vocab
+    )
 
 
 def encode_result(

@@ -20,8 +20,16 @@ from workers.worker import Worker
 class ThreadedWorker:
     """Start with `start()`, stop with `stop()`; `worker` is the live `Worker`."""
 
-    def __init__(self, backend: AsyncLM, redis_url: str, model: str = "mock", **settings: Any):
+    def __init__(
+        self,
+        backend: AsyncLM,
+        redis_url: str,
+        model: str = "mock",
+        masses: Any = None,
+        **settings: Any,
+    ):
         self.backend = backend
+        self.masses = masses
         self.settings = WorkerSettings(
             model=model, backend="mock", redis=RedisSettings(url=redis_url), name="t-worker",
             **settings,
@@ -46,7 +54,7 @@ class ThreadedWorker:
     async def _serve(self) -> None:
         redis = async_redis(self.settings.redis.url)
         self._stop = asyncio.Event()
-        self.worker = Worker(self.settings, self.backend, redis)
+        self.worker = Worker(self.settings, self.backend, redis, masses=self.masses)
         await self.worker.publish()
         self._ready.set()
         try:

@@ -89,8 +89,10 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
 
 
 def _masses(backend: Any) -> Any:
-    """The trie-mass computer over the backend's vocabulary (wired with the tries)."""
-    return None
+    """The trie-mass computer over the backend's vocabulary."""
+    from .masses import TrieMasses
+
+    return TrieMasses(backend.byte_vocab)
 
 
 def main(argv: list[str] | None = None) -> int:

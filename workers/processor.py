@@ -52,9 +52,9 @@ class MassComputer(Protocol):
     """Turns next-token log-probabilities into token-character trie masses."""
 
     async def masses(
-        self, logprobs: np.ndarray, op: str, nodes: np.ndarray | None
+        self, logprobs: np.ndarray, request: Request
     ) -> np.ndarray:  # pragma: no cover - protocol
-        """Masses of the requested nodes (all if None) for one log-probability vector."""
+        """Masses of the nodes `request` asks for (all if none) for one log-probability vector."""
         ...
 
 
@@ -226,7 +226,7 @@ class BatchProcessor:
         assert self.mass_computer is not None
         try:
             logprobs = bytes_to_vector(payload, "float32")
-            masses = await self.mass_computer.masses(logprobs, request.mass_op, request.nodes)
+            masses = await self.mass_computer.masses(logprobs, request)
         except LMQueueError as exc:
             outcome.error(request.client_id, request.request_id, exc)
             return

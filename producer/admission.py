@@ -41,7 +41,8 @@ class Admission:
         Raises:
             Busy: if the backlog plus this batch would exceed the bound.
         """
-        admitted, backlog = await self._script(keys=[self.stream], args=[self.max_backlog, *envelopes])
+        args = [self.max_backlog, *envelopes]
+        admitted, backlog = await self._script(keys=[self.stream], args=args)
         if not admitted:
             raise Busy(
                 f"backlog of {backlog} requests is at the bound of {self.max_backlog}; retry later",

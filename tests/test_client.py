@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-from workers_in_threads import ThreadedWorker
 
 from producer import QueueLM
 from shared.errors import (
@@ -22,6 +21,7 @@ from shared.errors import (
     UnknownModel,
 )
 from workers.backends.mock import MockAsyncLM
+from workers_in_threads import ThreadedWorker
 
 
 @pytest.fixture

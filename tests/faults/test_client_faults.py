@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import psutil
-from workers_in_threads import ThreadedWorker
 
 from producer import QueueLM
 from shared.errors import DeadlineExceeded
 from workers.backends.mock import MockAsyncLM
+from workers_in_threads import ThreadedWorker
 
 from .harness import (
     KEYS,

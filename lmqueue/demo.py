@@ -135,7 +135,12 @@ def _report(result: SMCResult, tokenizer: object, lm: QueueLM) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
+    import torch
+
     logging.basicConfig(level=logging.WARNING)
+    # This process only samples; a team of spinning OpenMP threads would take the cores the
+    # worker computes on (see README, "Client processes").
+    torch.set_num_threads(1)
     with _redis(args.redis_url or os.environ.get("REDIS_URL")) as url:
         with _workers(args, url) as workers:
             asyncio.run(_generate(args, url, workers))

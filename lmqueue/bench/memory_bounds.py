@@ -7,9 +7,12 @@ into bytes:
 * KV: ``max_kv_tokens`` x bytes of KV per token position (2 x layers x KV heads x head
   dimension x element size: 45 KiB for SmolLM2-135M in float32);
 * results: ``cache_size`` x one float32 vector (4 x vocabulary);
-* one forward's working set: a batch's padded past is copied into one tensor and the model's
-  cache concatenates the new positions onto it (two copies of rows x longest prompt x KV per
-  token), plus logits and log-softmax of every row;
+* one forward's working set: a batch's padded past, one tensor pair per layer; the model's
+  cache replaces each layer's pair by past + new positions as the forward reaches it, freeing
+  the old one (`padded_batch._past_cache`), so one copy of rows x longest prompt x KV per token
+  lives at a time, plus one layer's overlap, plus logits and log-softmax of every row;
+* replies in flight: a worker holds up to two batches at once (one computing, one prefetched),
+  each row's vector as a result tensor, as encoded bytes and in the pipeline's send buffer;
 * the baseline: the worker's RSS once loaded and idle, which holds the interpreter, torch and
   transformers, the tokenizer and the weights (reported separately).
 
@@ -38,6 +41,8 @@ __all__ = ["MemorySampler", "model_figures", "derive_bounds", "reset_peak_rss", 
 
 #: The worker's default batch size (rows in one forward).
 _WORKER_BATCH = 32
+#: Batches a worker holds at once (`workers.worker.Worker` prefetch).
+_PREFETCH_BATCHES = 2
 
 
 class MemorySampler:
@@ -129,14 +134,17 @@ def derive_bounds(
     longest = len(workload.prompt) + workload.steps + 1
     kv = args.max_kv_tokens * per_token
     results = args.cache_size * vector
-    forward = 2 * rows * longest * per_token + 3 * rows * vector
+    layers = model["layers"]
+    forward = rows * longest * per_token * (layers + 1) // layers + 3 * rows * vector
+    in_flight = _PREFETCH_BATCHES * rows * vector * 3
     outstanding = 3 * workload.particles * vector
     return {
         "worker_baseline": baseline["worker_rss"],
         "worker_kv": kv,
         "worker_results": results,
         "worker_forward": forward,
-        "worker": baseline["worker_rss"] + kv + results + forward,
+        "worker_in_flight": in_flight,
+        "worker": baseline["worker_rss"] + kv + results + forward + in_flight,
         "cache_redis": cache_maxmemory,
         "queue_baseline": baseline["queue_used_memory"],
         "queue_redis": baseline["queue_used_memory"] + outstanding,

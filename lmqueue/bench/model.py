@@ -23,7 +23,7 @@ import contextlib
 import gc
 import os
 import statistics
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +159,30 @@ async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> di
     async with await connect_client(model, settings, workers) as lm:
         await lm.next_token_logprobs(workload.prompt)
         meter = CpuMeter({"client": [os.getpid()], "worker": [w.pid for w in workers]})
-        meter.start()
-        result = await workload.run(lm)
-        cpu = meter.stop()
+        with one_torch_thread():
+            meter.start()
+            result = await workload.run(lm)
+            cpu = meter.stop()
         stats = lm.stats
     return {**result_figures(result, cpu), "client_stats": stats}
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the block with one torch thread, as a client process should (see README).
+
+    The sampler's own tensor work is small; with the default team of threads per core,
+    OpenMP's spinning waits take the cores the worker process needs (measured here: 7 calls/s
+    with two client threads against 71 with one, on the same run of this workload).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,21 +199,37 @@ def _has_sliding_window(config: Any) -> bool:
 
 
 def _past_cache(rows: list[Row], width_past: int) -> Any:
-    """The rows' pasts concatenated, right-padded with zeros, as a per-layer cache."""
-    from transformers import DynamicCache  # imported here: `workers.backends` stays light
+    """The rows' pasts, right-padded with zeros, as a per-layer cache holding one copy.
 
+    Each layer gets tensors of its own, handed to the cache as they are: building the cache
+    from data (``DynamicCache(ddp_cache_data=...)``) would copy every layer once more, and a
+    single block for all layers could be freed only when the forward ends, while the model's
+    cache replaces each layer's past with past + new positions as the forward reaches it. So
+    one copy of the batch's past lives at a time (plus the layer being replaced).
+    """
+    from transformers import DynamicCache  # imported here: `workers.backends` stays light
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()
     if width_past == 0:
-        return DynamicCache()
+        return cache
     example = next(row.past[0] for row in rows if row.past)
     layers, _, heads, _, head_dim = example.shape
-    stacked = example.new_zeros((layers, 2, len(rows), heads, width_past, head_dim))
-    for b, row in enumerate(rows):
-        at = 0
-        for segment in row.past:
-            length = segment.shape[3]
-            stacked[:, :, b, :, at : at + length] = segment
-            at += length
-    return DynamicCache(ddp_cache_data=[(layer[0], layer[1]) for layer in stacked])
+    for layer in range(layers):
+        keys = example.new_zeros((len(rows), heads, width_past, head_dim))
+        values = example.new_zeros((len(rows), heads, width_past, head_dim))
+        for b, row in enumerate(rows):
+            at = 0
+            for segment in row.past:
+                length = segment.shape[3]
+                keys[b, :, at : at + length] = segment[layer, 0]
+                values[b, :, at : at + length] = segment[layer, 1]
+                at += length
+        holder = DynamicLayer()
+        holder.lazy_initialization(keys, values)
+        holder.keys, holder.values = keys, values
+        cache.layers.append(holder)
+    return cache
 
 
 def _new_segments(cache: Any, rows: list[Row], width_past: int) -> list[torch.Tensor | None]:

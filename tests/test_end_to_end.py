@@ -102,3 +102,34 @@ def test_lmq_submit_prints_the_most_likely_next_tokens(mock_workers, redis_url):
     assert len(lines) == 3
     probabilities = [float(line.split()[0]) for line in lines]
     assert probabilities == sorted(probabilities, reverse=True) and 0 < probabilities[0] <= 1
+
+
+async def test_hf_worker_processes_match_the_in_process_backend(
+    e2e_redis, tiny_model_dir, tmp_path
+):
+    """Two real HF workers on a tiny Llama: results through the queue equal a local forward."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.backends.hf import AsyncTransformer
+    from workers.models import load_tokenizer
+
+    name = str(tiny_model_dir)
+    workers = [
+        WorkerProcess(name, "hf", e2e_redis, f"hf-{i}", log_dir=tmp_path).start() for i in range(2)
+    ]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        reference = AsyncTransformer(model, load_tokenizer(name))
+        rng = np.random.default_rng(3)
+        stem = rng.integers(0, 49152, size=12).tolist()
+        prompts = [
+            stem + rng.integers(0, 49152, size=int(rng.integers(1, 6))).tolist() for _ in range(120)
+        ]
+        async with await QueueLM.connect(name, redis_url=e2e_redis, connect_timeout_s=90) as lm:
+            results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        for prompt, result in zip(prompts, results, strict=True):
+            expected = reference.next_token_logprobs_uncached(prompt)
+            assert torch.allclose(result, expected, atol=1e-4)
+    finally:
+        for worker in workers:
+            assert worker.stop() == 0, worker.log()

@@ -41,14 +41,12 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def smol_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Any) -> Path:
-    """SmolLM2-135M as a HuggingFace model directory (what both engines load)."""
-    from workers.models import load_causal_lm
+def smol_dir() -> Path:
+    """SmolLM2-135M as a HuggingFace model directory (what both engines load, and what
+    ``from_name("smollm2-135m")`` hands them)."""
+    from workers.models import hf_directory
 
-    path = tmp_path_factory.mktemp("smollm2-hf")
-    load_causal_lm(SMOL).save_pretrained(path)
-    smol_tokenizer.save_pretrained(path)
-    return path
+    return Path(hf_directory(SMOL))
 
 
 @pytest.fixture(scope="module")

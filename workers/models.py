@@ -21,7 +21,15 @@ from typing import Any
 
 from shared.errors import UnknownModel
 
-__all__ = ["ModelSpec", "ALIASES", "resolve_model", "load_tokenizer", "load_causal_lm", "cache_dir"]
+__all__ = [
+    "ModelSpec",
+    "ALIASES",
+    "resolve_model",
+    "load_tokenizer",
+    "load_causal_lm",
+    "hf_directory",
+    "cache_dir",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +116,7 @@ def load_tokenizer(name: str) -> Any:
         return AutoTokenizer.from_pretrained(str(converted))
     logger.info("converting the tokenizer of %s from GGUF (once)", name)
     tokenizer = AutoTokenizer.from_pretrained(spec.source, gguf_file=spec.gguf_file)
-    _save_atomically(tokenizer, converted)
+    _save_atomically(converted, tokenizer)
     return tokenizer
 
 
@@ -116,19 +124,28 @@ def load_causal_lm(name: str, hf_opts: dict[str, Any] | None = None) -> Any:
     """The HuggingFace causal LM of `name` in eval mode (converted once from GGUF, then cached)."""
     from transformers import AutoModelForCausalLM
 
-    spec = resolve_model(name)
     opts = {"dtype": "auto", **(hf_opts or {})}
+    return AutoModelForCausalLM.from_pretrained(hf_directory(name), **opts).eval()
+
+
+def hf_directory(name: str) -> str:
+    """A HuggingFace model directory (or hub id) holding the weights and tokenizer of `name`.
+
+    A GGUF alias is converted on first use (~15 s) into a directory under `cache_dir`, which
+    every later load, and engines that cannot read GGUF (vLLM, SGLang), read instead.
+    """
+    spec = resolve_model(name)
     if spec.gguf_file is None:
-        model = AutoModelForCausalLM.from_pretrained(spec.source, **opts)
-    else:
-        converted = _converted_dir(spec, "model")
-        if not (converted / ".complete").exists():
-            logger.info("converting the weights of %s from GGUF (once, ~15 s)", name)
-            model = AutoModelForCausalLM.from_pretrained(spec.source, gguf_file=spec.gguf_file)
-            _forget_gguf_origin(model)
-            _save_atomically(model, converted)
-        model = AutoModelForCausalLM.from_pretrained(str(converted), **opts)
-    return model.eval()
+        return spec.source
+    converted = _converted_dir(spec, "hf")
+    if not (converted / ".complete").exists():
+        from transformers import AutoModelForCausalLM
+
+        logger.info("converting the weights of %s from GGUF (once, ~15 s)", name)
+        model = AutoModelForCausalLM.from_pretrained(spec.source, gguf_file=spec.gguf_file)
+        _forget_gguf_origin(model)
+        _save_atomically(converted, model, load_tokenizer(name))
+    return str(converted)
 
 
 def _forget_gguf_origin(model: Any) -> None:
@@ -143,8 +160,8 @@ def _forget_gguf_origin(model: Any) -> None:
         del model.config.quantization_config
 
 
-def _save_atomically(obj: Any, target: Path) -> None:
-    """save_pretrained into a private directory, then rename it to `target`.
+def _save_atomically(target: Path, *objects: Any) -> None:
+    """save_pretrained each of `objects` into a private directory, then rename it to `target`.
 
     Two workers converting at once both succeed: the second rename finds `target` present and
     its copy is dropped.
@@ -153,7 +170,8 @@ def _save_atomically(obj: Any, target: Path) -> None:
 
     staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)
-    obj.save_pretrained(str(staging))
+    for obj in objects:
+        obj.save_pretrained(str(staging))
     (staging / ".complete").write_text(json.dumps({"saved_by": "lmqueue"}))
     try:
         staging.rename(target)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,21 +27,18 @@ from typing import Any
 
 import torch
 
-from shared.errors import BadRequest, Cancelled, ModelError
-from shared.output_cache import OutputCache
+from shared.errors import Cancelled, ModelError
 
-from .base import AsyncLM, reject_adapter
+from .base import reject_adapter
+from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import SGLANG, SGLEngine, build_sgl_engine, require
 
 __all__ = ["AsyncSGLTransformer"]
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[int, ...]
-Result = torch.Tensor | BaseException
 
-
-class AsyncSGLTransformer(AsyncLM):
+class AsyncSGLTransformer(EngineBackend):
     """An in-process SGLang scheduler with batching, prompt sharing and a result cache.
 
     Args:
@@ -64,19 +60,16 @@ class AsyncSGLTransformer(AsyncLM):
         cache_opts: dict[str, Any] | None = None,
         **vocab: Any,
     ) -> None:
-        super().__init__(tokenizer, **vocab)
+        super().__init__(tokenizer, cache_size=cache_size, cache_opts=cache_opts, **vocab)
         self._handle = handle
         self.model = handle.scheduler
-        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         # One thread drives the scheduler, selecting its GPU (a new thread's default is 0).
         self._executor = ThreadPoolExecutor(1, "lmq-sgl", _bind_device, (handle.gpu_id,))
         self._counter = itertools.count()  # next() on a count is atomic: any thread may take one
-        self._cache_lock = threading.Lock()  # results are stored from callers' threads
         self._queue: deque[Key] = deque()  # prompts waiting for the next batch
         self._pending: dict[Key, list[asyncio.Future[torch.Tensor]]] = {}  # queued or in flight
         self._inflight: dict[str, Key] = {}  # rid -> prompt, for requests in the scheduler
         self._runner: asyncio.Task[None] | None = None
-        self._closed = False
 
     @classmethod
     def from_name(
@@ -86,7 +79,7 @@ class AsyncSGLTransformer(AsyncLM):
         gpu_id: int = 0,
         **kwargs: Any,
     ) -> AsyncSGLTransformer:
-        """Start an SGLang scheduler on `model_id` (a model directory or hub id) on `gpu_id`.
+        """Start an SGLang scheduler on `model_id` (an alias, directory or hub id) on `gpu_id`.
 
         Args:
             engine_opts: SGLang ``ServerArgs`` options over `engine_imports.SGL_DEFAULTS`.
@@ -95,15 +88,13 @@ class AsyncSGLTransformer(AsyncLM):
         Raises:
             MissingEngine: SGLang is not installed (``pip install 'lmqueue[sgl]'``).
         """
-        from workers.models import load_tokenizer, resolve_model
+        from workers.models import load_tokenizer
 
         require(SGLANG)  # before minutes of loading
-        spec = resolve_model(model_id)
-        if spec.gguf_file is not None:
-            raise BadRequest(f"SGLang needs a model directory or hub id, not the alias {model_id}")
+        source, revision = engine_model_source(model_id)
         tokenizer = load_tokenizer(model_id)
-        handle = build_sgl_engine(spec.source, engine_opts, gpu_id)
-        handle = replace(handle, revision=f"{spec.revision}+{handle.revision}")
+        handle = build_sgl_engine(source, engine_opts, gpu_id)
+        handle = replace(handle, revision=f"{revision}+{handle.revision}")
         return cls(handle, tokenizer, **kwargs)
 
     @property
@@ -158,7 +149,7 @@ class AsyncSGLTransformer(AsyncLM):
         pending, self._pending, self._inflight, self._queue = self._pending, {}, {}, deque()
         for futures in pending.values():
             for future in futures:
-                _settle(future, error)
+                settle(future, error)
 
     async def _drain(self) -> None:
         """Run batches until the queue is empty (a later query starts a new drain)."""
@@ -175,7 +166,7 @@ class AsyncSGLTransformer(AsyncLM):
                     raise
                 except Exception as exc:
                     logger.error("an SGLang batch failed", exc_info=exc)
-                    rows = {r.rid: _model_error(exc) for r in requests}
+                    rows = {r.rid: engine_error("SGLang", exc) for r in requests}
                 missing = ModelError("SGLang finished without a row for this prompt")
                 self._resolve({r.rid: rows.get(r.rid, missing) for r in requests})
         finally:
@@ -197,7 +188,7 @@ class AsyncSGLTransformer(AsyncLM):
                 requests.append(self._handle.make_request(rid, key))
             except Exception as exc:
                 for future in self._pending.pop(key):
-                    _settle(future, _model_error(exc))
+                    settle(future, engine_error("SGLang", exc))
                 continue
             self._inflight[rid] = key
         return requests
@@ -209,7 +200,7 @@ class AsyncSGLTransformer(AsyncLM):
             if key is None:  # reset while in flight
                 continue
             for future in self._pending.pop(key, []):
-                _settle(future, result)
+                settle(future, result)
 
     # -- synchronous queries -------------------------------------------------------------------
     def next_token_logprobs_sync(
@@ -237,7 +228,7 @@ class AsyncSGLTransformer(AsyncLM):
             try:
                 rows = self._executor.submit(self._evaluate, requests).result()
             except Exception as exc:
-                raise _model_error(exc) from exc
+                raise engine_error("SGLang", exc) from exc
             for key, rid in rids.items():
                 result = rows.get(rid, ModelError("SGLang finished without a row for a prompt"))
                 if isinstance(result, BaseException):
@@ -268,9 +259,7 @@ class AsyncSGLTransformer(AsyncLM):
 
     def clear_cache(self) -> None:
         """Forget stored results."""
-        with self._cache_lock:
-            if self.cache is not None:
-                self.cache.clear()
+        self._clear_results()
 
     def clear_kv_cache(self) -> bool:
         """Flush SGLang's KV and radix caches; False if requests were running."""
@@ -290,24 +279,8 @@ class AsyncSGLTransformer(AsyncLM):
         except Exception:
             logger.warning("SGLang did not shut down cleanly", exc_info=True)
 
-    def _checked(self, token_ids: Any) -> Key:
-        if self._closed:
-            raise Cancelled("the backend is closed")
-        return tuple(self.check_prompt(token_ids))
-
     def _new_rid(self) -> str:
         return f"lmq-{next(self._counter)}"
-
-    def _cache_get(self, key: Key) -> torch.Tensor | None:
-        if self.cache is None:
-            return None
-        with self._cache_lock:
-            return self.cache.get(key)
-
-    def _cache_put(self, key: Key, value: torch.Tensor) -> None:
-        if self.cache is not None:
-            with self._cache_lock:
-                self.cache[key] = value
 
 
 def _run_one(sched: Any, batch: Any) -> dict[str, Result]:
@@ -341,17 +314,3 @@ def _run_one(sched: Any, batch: Any) -> dict[str, Result]:
 def _bind_device(gpu_id: int | None) -> None:
     if gpu_id is not None and torch.cuda.is_available():
         torch.cuda.set_device(gpu_id)
-
-
-def _settle(future: asyncio.Future[Any], result: Result) -> None:
-    if not future.done():
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-
-def _model_error(exc: BaseException) -> ModelError:
-    error = ModelError(f"SGLang failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error

@@ -26,21 +26,19 @@ from typing import Any
 import torch
 
 from shared.errors import BadRequest, Cancelled, ModelError
-from shared.output_cache import OutputCache
 
-from .base import AsyncLM, reject_adapter
+from .base import reject_adapter
+from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import VLLM, VLLMEngine, build_vllm_engine, require
 
 __all__ = ["AsyncVirtualLM"]
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[int, ...]
-Result = torch.Tensor | BaseException
 Resolver = Callable[[Result], None]
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(EngineBackend):
     """A vLLM engine with full-vocabulary next-token log-probabilities.
 
     Args:
@@ -61,18 +59,15 @@ class AsyncVirtualLM(AsyncLM):
         cache_opts: dict[str, Any] | None = None,
         **vocab: Any,
     ) -> None:
-        super().__init__(tokenizer, **vocab)
+        super().__init__(tokenizer, cache_size=cache_size, cache_opts=cache_opts, **vocab)
         self._handle = handle
-        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
-        self._cache_lock = threading.Lock()  # results are stored from callers' threads
-        self._closed = False
         self._driver = _EngineThread(handle)
 
     @classmethod
     def from_name(
         cls, model_name: str, engine_opts: dict[str, Any] | None = None, **kwargs: Any
     ) -> AsyncVirtualLM:
-        """Load `model_name` (a model directory or hub id) into an in-process vLLM engine.
+        """Load `model_name` (an alias, a model directory or a hub id) into in-process vLLM.
 
         Args:
             engine_opts: vLLM ``EngineArgs`` options over `engine_imports.VLLM_DEFAULTS`
@@ -82,15 +77,13 @@ class AsyncVirtualLM(AsyncLM):
         Raises:
             MissingEngine: vLLM is not installed (``pip install 'lmqueue[vllm]'``).
         """
-        from workers.models import load_tokenizer, resolve_model
+        from workers.models import load_tokenizer
 
         require(VLLM)  # before minutes of loading
-        spec = resolve_model(model_name)
-        if spec.gguf_file is not None:
-            raise BadRequest(f"vLLM needs a model directory or hub id, not the alias {model_name}")
+        source, revision = engine_model_source(model_name)
         tokenizer = load_tokenizer(model_name)
-        handle = build_vllm_engine(spec.source, engine_opts)
-        handle = replace(handle, revision=f"{spec.revision}+{handle.revision}")
+        handle = build_vllm_engine(source, engine_opts)
+        handle = replace(handle, revision=f"{revision}+{handle.revision}")
         return cls(handle, tokenizer, **kwargs)
 
     @property
@@ -159,9 +152,7 @@ class AsyncVirtualLM(AsyncLM):
 
     def clear_cache(self) -> None:
         """Forget stored results, and have vLLM drop its prefix cache (if idle then)."""
-        with self._cache_lock:
-            if self.cache is not None:
-                self.cache.clear()
+        self._clear_results()
         if not self._closed:
             self._driver.call(lambda engine: engine.reset_prefix_cache(), wait=False)
 
@@ -179,50 +170,21 @@ class AsyncVirtualLM(AsyncLM):
             self._closed = True
             self._driver.stop()
 
-    def _checked(self, token_ids: Any) -> Key:
-        if self._closed:
-            raise Cancelled("the backend is closed")
-        return tuple(self.check_prompt(token_ids))
-
-    def _cache_get(self, key: Key) -> torch.Tensor | None:
-        if self.cache is None:
-            return None
-        with self._cache_lock:
-            return self.cache.get(key)
-
-    def _cache_put(self, key: Key, value: torch.Tensor) -> None:
-        if self.cache is not None:
-            with self._cache_lock:
-                self.cache[key] = value
-
 
 def _resolver(future: Any, loop: asyncio.AbstractEventLoop | None = None) -> Resolver:
     """Settle `future` from the engine thread: an asyncio one through its `loop`, a concurrent
     one directly. A future already done (its caller cancelled) is left alone."""
 
-    def settle(result: Result) -> None:
-        if not future.done():
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
     if loop is None:
-        return settle
+        return lambda result: settle(future, result)
 
     def resolve(result: Result) -> None:
         try:
-            loop.call_soon_threadsafe(settle, result)
+            loop.call_soon_threadsafe(settle, future, result)
         except RuntimeError:  # the loop is closed: nobody waits for this result
             pass
 
     return resolve
-
-
-def _model_error(exc: BaseException) -> ModelError:
-    error = ModelError(f"vLLM failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 class _EngineThread:
@@ -325,7 +287,7 @@ class _EngineThread:
             resolve(BadRequest(f"vLLM refused the prompt: {exc}"))
             return
         except Exception as exc:
-            resolve(_model_error(exc))
+            resolve(engine_error("vLLM", exc))
             return
         self._by_key[key] = tag
         self._live[tag] = (key, [resolve])
@@ -335,7 +297,7 @@ class _EngineThread:
             outputs = self._engine.step()
         except Exception as exc:
             logger.error("a vLLM step failed; failing %d requests", len(self._live), exc_info=exc)
-            self._fail_all(_model_error(exc))
+            self._fail_all(engine_error("vLLM", exc))
             return
         for output in outputs:
             if output.finished:
@@ -358,7 +320,7 @@ class _EngineThread:
             try:
                 result = torch.log_softmax(row.to(torch.float32), dim=-1).cpu()
             except Exception as exc:
-                result = _model_error(exc)
+                result = engine_error("vLLM", exc)
         for resolve in resolvers:
             resolve(result)
 

@@ -6,7 +6,8 @@ request with a deadline. At most ``max_inflight`` distinct requests are outstand
 callers wait for a slot (within their own deadline), which bounds this client's memory and the
 replies queued for it in Redis however slowly it reads them. The `Submitter` sends requests in
 micro-batches (shared-cache hits never reach a worker); the `ReplyReader` settles them from
-this client's reply stream and resubmits everything in flight when Redis restarted. Both are
+this client's reply stream (vectors are received in place by a `RespPipe`, claim-checks
+fetched from the shared cache) and resubmits everything in flight when Redis restarted. Both are
 tasks owned by the client's lifespan: `connect` starts them, `close` stops them and fails
 whatever is still pending with `Cancelled`.
 """
@@ -37,10 +38,14 @@ from shared.vocab import str_vocab_of
 from shared.wire import Request
 
 from .admission import Admission
+from .claims import ClaimResolver
 from .inflight import InflightTable, Pending
 from .reply_reader import ReplyReader, server_run_id
+from .resp_pipe import RespPipe
+from .slots import Slots
 from .submitter import REDIS_DOWN, Submitter
 from .sync_portal import SyncPortal
+from .tensors import to_float32_tensor
 
 __all__ = ["QueueLM"]
 
@@ -75,22 +80,29 @@ class QueueLM:
         self._redis = redis
         self._cache_redis = cache_redis
         keys = settings.redis.keyspace()
-        self.inflight = InflightTable(self.client_id)
+        self._slots = Slots(settings.max_inflight)
+        self.inflight = InflightTable(self.client_id, on_settled=self._slots.release)
+        stall_timeout_s = settings.redis.stall_timeout_s
         shared = (
-            SharedCache(cache_redis, keys, info.name, info.revision)
+            SharedCache(cache_redis, keys, info.name, info.revision, stall_timeout_s)
             if settings.use_shared_cache
             else None
         )
+        redis_settings = settings.redis
+        self._pipes = [
+            RespPipe(url, redis_settings.connect_timeout_s) if RespPipe.supports(url) else None
+            for url in (redis_settings.url, redis_settings.effective_cache_url)
+        ]
+        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=self._pipes[1])
         bound = settings.max_backlog or info.max_backlog
         admission = Admission(redis, keys.requests(info.name), bound)
-        self.submitter = Submitter(self.inflight, shared, admission, settings.redis.stall_timeout_s)
+        self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
         self.reader = ReplyReader(
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._on_restart,
-            read_count=settings.read_count, run_id=run_id,
-            stall_timeout_s=settings.redis.stall_timeout_s,
+            read_count=settings.read_count, run_id=run_id, stall_timeout_s=stall_timeout_s,
+            claims=self.claims, on_claim_missed=self._ask_inline, pipe=self._pipes[0],
         )  # fmt: skip
         self.local_cache = OutputCache(settings.local_cache_size)
-        self._slots = asyncio.Semaphore(settings.max_inflight)
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh: asyncio.Task[None] | None = None
         self._portal: SyncPortal | None = None
@@ -156,6 +168,9 @@ class QueueLM:
         self.inflight.fail_all(Cancelled, "the client was closed")
         if self._portal is not None:
             await asyncio.to_thread(self._portal.close)
+        for pipe in self._pipes:
+            if pipe is not None:
+                pipe.close()
         # Replies still on their way recreate the stream, with the workers' TTL on it.
         with contextlib.suppress(Exception):
             await bounded(self._redis.delete(self.reader.stream), 1.0, "deleting replies")
@@ -175,11 +190,10 @@ class QueueLM:
         reject_adapter(lora_name)
         ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
         token_bytes = ids.astype("<i4").tobytes()
-        local = self.local_cache.get(token_bytes)
-        if local is not None:
-            return local
+        if token_bytes in self.local_cache:  # a miss through get() raises and catches KeyError
+            return self.local_cache[token_bytes]
         vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
-        tensor = _to_float32_tensor(vector)
+        tensor = to_float32_tensor(vector)
         self.local_cache[token_bytes] = tensor
         return tensor
 
@@ -223,28 +237,25 @@ class QueueLM:
         pending = self.inflight.find(dedup_key)
         if pending is None:
             pending = await self._new_request(dedup_key, token_bytes, kind, dtype, extra)
-        pending.waiters += 1
+        waiter = self.inflight.wait(pending)
         try:
-            return await asyncio.shield(pending.future)
-        finally:
-            pending.waiters -= 1
-            if not pending.future.done():
-                self.inflight.withdraw(pending)
+            return await waiter
+        except asyncio.CancelledError:
+            self.inflight.leave(pending, waiter)
+            raise
 
     async def _new_request(
         self, dedup_key: Hashable, token_bytes: bytes, kind: str, dtype: str, extra: dict[str, Any]
     ) -> Pending:
         """Take an in-flight slot (waiting within the deadline if all are taken) and submit.
 
-        The slot is given back when the request settles, however it settles.
+        The slot is given back when the request settles, however it settles (`InflightTable`).
         """
         timeout_s = self.settings.timeout_s
         started = time.time()
         try:
-            if self._slots.locked():  # not asyncio.timeout: see shared.connections.bounded
-                await asyncio.wait_for(self._slots.acquire(), timeout_s or None)
-            else:
-                await self._slots.acquire()  # returns at once
+            if not self._slots.take_now():  # not asyncio.timeout: see shared.connections.bounded
+                await asyncio.wait_for(self._slots.take(), timeout_s or None)
         except TimeoutError:
             raise DeadlineExceeded(
                 f"no in-flight slot within {timeout_s:g} s (max_inflight="
@@ -260,12 +271,22 @@ class QueueLM:
         deadline_ms = int((started + timeout_s) * 1000) if timeout_s else 0
         request = Request(
             self.inflight.next_request_id(), self.client_id, token_bytes, kind, dtype,
-            deadline_ms, **extra,
+            deadline_ms, claims=kind == "logprobs" and self.claims.enabled, **extra,
         )  # fmt: skip
         pending = self.inflight.add(request, dedup_key, remaining_s)
-        pending.future.add_done_callback(lambda _: self._slots.release())
         self.submitter.submit(pending)
         return pending
+
+    def _ask_inline(self, request_ids: list[str]) -> None:
+        """Their claimed results were gone: send them again, asking for inline replies."""
+        again = []
+        for request_id in request_ids:
+            pending = self.inflight.get(request_id)
+            if pending is not None:
+                pending.request = replace(pending.request, claims=False)
+                pending.inline_retry = True
+                again.append(pending)
+        self.submitter.resubmit(again)
 
     def _on_restart(self) -> None:
         """Redis restarted: resubmit everything in flight and re-read the model's info."""
@@ -337,12 +358,14 @@ class QueueLM:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: requests sent, shared-cache hits, replies read, reconnects."""
+        """Counters: requests sent, shared-cache hits, replies read, claim-checks, reconnects."""
         return {
             "sent": self.submitter.sent,
             "cache_hits": self.submitter.cache_hits,
             "replies_read": self.reader.replies_read,
             "duplicate_replies": self.inflight.duplicate_replies,
+            "claims_resolved": self.claims.resolved,
+            "claims_missed": self.claims.missed,
             "reconnects": self.reader.reconnects,
             "server_restarts": self.reader.restarts_seen,
             "inflight": len(self.inflight),
@@ -366,8 +389,3 @@ async def _wait_for_model(registry: ModelRegistry, model: str, timeout_s: float)
 async def _close_all(*clients: Any) -> None:
     for client in {id(c): c for c in clients}.values():
         await client.aclose()
-
-
-def _to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
-    """A writable float32 tensor owning a copy of the (read-only) wire vector."""
-    return torch.from_numpy(vector.astype(np.float32, copy=True))

@@ -105,7 +105,7 @@ class Submitter:
         seen: set[str] = set()
         live = []
         for pending in batch:
-            if not pending.future.done() and pending.request_id not in seen:
+            if not pending.settled and pending.request_id not in seen:
                 seen.add(pending.request_id)
                 live.append(pending)
         return live
@@ -124,7 +124,7 @@ class Submitter:
 
     async def _answer_from_cache(self, batch: list[Pending]) -> list[Pending]:
         """Resolve requests whose log-probabilities the shared cache holds; return the rest."""
-        lookups = [p for p in batch if p.request.kind == "logprobs"]
+        lookups = [p for p in batch if p.request.kind == "logprobs" and not p.inline_retry]
         if self.cache is None or not lookups:
             return batch
         cache = self.cache

@@ -5,6 +5,9 @@ result kind (``lp.float32``, ``lp.float16``) and a digest of the exact token tup
 model revision or wire dtype never reads stale entries. Entries carry a TTL; memory is bounded
 by that TTL and, on a dedicated cache instance, by its LRU policy (ops/redis/cache.conf).
 Cache operations are best effort: a failing cache slows requests down but never fails them.
+Writes report which entries were stored, because a worker may only hand out a claim-check (a
+reply naming a cache key instead of carrying the vector, see `shared.wire`) for an entry that
+is really there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from .connections import bounded
 from .keys import KeySpace
 
 __all__ = ["SharedCache", "logprobs_kind"]
@@ -28,8 +32,11 @@ def logprobs_kind(dtype: str) -> str:
 class SharedCache:
     """Batched get and put of result vectors for one model revision."""
 
-    def __init__(self, redis: Any, keys: KeySpace, model: str, revision: str) -> None:
-        self._redis = redis
+    def __init__(
+        self, redis: Any, keys: KeySpace, model: str, revision: str, timeout_s: float = 10.0
+    ) -> None:
+        self.redis = redis
+        self.timeout_s = timeout_s
         self._keys = keys
         self._model = model
         self._revision = revision
@@ -45,19 +52,37 @@ class SharedCache:
         if not keys:
             return []
         try:
-            return list(await self._redis.mget(keys))
+            return list(await bounded(self.redis.mget(keys), self.timeout_s, "shared cache read"))
         except Exception as exc:  # the cache is an optimisation; never fail a request on it
             logger.warning("shared cache read failed: %s", exc)
             return [None] * len(keys)
 
-    async def put_many(self, items: Sequence[tuple[str, bytes]], ttl_s: int) -> None:
-        """Store `(key, value)` pairs with a TTL; failures (e.g. OOM) are logged and ignored."""
+    async def put_many(self, items: Sequence[tuple[str, Any]], ttl_s: int) -> list[bool]:
+        """Store `(key, value)` pairs with a TTL; which were stored, in order.
+
+        Failures (out of memory, an unreachable or silent cache) are logged, never raised.
+        """
         if not items:
-            return
+            return []
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for key, value in items:
-                    pipe.set(key, value, ex=ttl_s or None)
-                await pipe.execute()
+            return await bounded(self._put(items, ttl_s), self.timeout_s, "shared cache write")
         except Exception as exc:
             logger.warning("shared cache write of %d entries failed: %s", len(items), exc)
+            return [False] * len(items)
+
+    async def _put(self, items: Sequence[tuple[str, Any]], ttl_s: int) -> list[bool]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.queue_puts(pipe, items, ttl_s)
+            results = await pipe.execute(raise_on_error=False)
+        stored = [result is True for result in results]
+        if not all(stored):
+            failed = next(r for r in results if r is not True)
+            logger.warning("shared cache refused %d of %d entries: %s",
+                           stored.count(False), len(items), failed)  # fmt: skip
+        return stored
+
+    @staticmethod
+    def queue_puts(pipe: Any, items: Sequence[tuple[str, Any]], ttl_s: int) -> None:
+        """Queue the SETs of `items` on a pipeline of the cache's instance (one SET each)."""
+        for key, value in items:
+            pipe.set(key, value, ex=ttl_s or None)

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.errors import LMQueueError
-from shared.wire import encode_error, encode_result
+from shared.wire import encode_claim, encode_error, encode_result
 
 from .request_stream import Entry
 
-__all__ = ["Outcome"]
+__all__ = ["Outcome", "Claimable"]
+
+#: A payload as the processor hands it over: bytes, or a view of a result vector.
+Payload = bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Claimable:
+    """A result that travels as a claim-check if its cache entry gets written, else inline."""
+
+    client_id: str
+    request_id: str
+    payload: Payload
+    dtype: str
+    key: str
 
 
 @dataclass
@@ -17,17 +33,38 @@ class Outcome:
     """Replies, cache entries, acknowledgements and dead letters produced by one batch.
 
     Every entry read ends up in `acks`; each decodable one also gets exactly one reply, and
-    the undecodable ones without a reply address go to `dead` instead.
+    the undecodable ones without a reply address go to `dead` instead. Results that may go
+    out as claim-checks wait in `claimable` until the cache write is known to have succeeded
+    (`settle_claims`).
     """
 
-    replies: list[tuple[str, dict[str, bytes]]] = field(default_factory=list)
-    cache_puts: list[tuple[str, bytes]] = field(default_factory=list)
+    replies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    cache_puts: list[tuple[str, Payload]] = field(default_factory=list)
     acks: list[str] = field(default_factory=list)
     dead: list[tuple[Entry, str]] = field(default_factory=list)
+    claimable: list[Claimable] = field(default_factory=list)
 
-    def result(self, client_id: str, request_id: str, payload: bytes, dtype: str, cached: bool):
+    def result(
+        self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
+    ) -> None:
         """Add a result reply."""
         self.replies.append((client_id, encode_result(request_id, payload, dtype, cached)))
+
+    def claimable_result(
+        self, client_id: str, request_id: str, payload: Payload, dtype: str, key: str
+    ) -> None:
+        """Add a freshly computed result whose payload is also being written under `key`."""
+        self.claimable.append(Claimable(client_id, request_id, payload, dtype, key))
+
+    def settle_claims(self, stored: Container[str]) -> None:
+        """Turn claimable results into replies: claim-checks for keys in `stored`, else inline."""
+        for item in self.claimable:
+            if item.key in stored:
+                fields = encode_claim(item.request_id, item.key, item.dtype)
+            else:
+                fields = encode_result(item.request_id, item.payload, item.dtype)
+            self.replies.append((item.client_id, fields))
+        self.claimable = []
 
     def error(self, client_id: str, request_id: str, error: BaseException) -> None:
         """Add an error reply."""
@@ -43,3 +80,4 @@ class Outcome:
         self.cache_puts.extend(other.cache_puts)
         self.acks.extend(other.acks)
         self.dead.extend(other.dead)
+        self.claimable.extend(other.claimable)

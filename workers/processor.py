@@ -10,7 +10,8 @@ The steps, each cheap before the expensive one:
    so the others still get results. A backend also batches calls of *other* batches in flight
    on this worker, so a failure is only final once re-run with the backend to itself
    (`ForwardGate`): another batch's poison never becomes this batch's error;
-4. encode vectors once per (prompt, dtype) and answer every request.
+4. encode vectors once per (prompt, dtype) and answer every request; a fresh result the
+   worker writes to the shared cache goes to clients that resolve claim-checks as one.
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ from shared.errors import (
 from shared.keys import validate_client_id
 from shared.shared_cache import SharedCache
 from shared.validation import check_prompt
-from shared.wire import Request, bytes_to_vector, decode_request, vector_to_bytes
+from shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
 from .backends.base import AsyncLM
-from .outcome import Outcome
+from .outcome import Outcome, Payload
 from .request_stream import Entry
 
 __all__ = ["BatchProcessor", "ForwardGate", "MassComputer"]
 
 logger = logging.getLogger(__name__)
+
+_VALID_CLIENTS_KEPT = 4096
 
 
 class MassComputer(Protocol):
@@ -130,20 +133,29 @@ class BatchProcessor:
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses
         self.gate = ForwardGate()
+        #: Client ids already validated (a regex per entry otherwise); cleared when full.
+        self._valid_clients: set[str] = set()
 
     async def process(self, entries: Sequence[Entry]) -> Outcome:
         """Answer every entry; never raises for a request's fault."""
         outcome = Outcome(acks=[entry.entry_id for entry in entries])
-        jobs = [job for entry in entries if (job := self._admit(entry, outcome)) is not None]
+        now_ms = time.time() * 1000
+        jobs = [
+            job for entry in entries if (job := self._admit(entry, outcome, now_ms)) is not None
+        ]
         if jobs:
             await self._answer(jobs, outcome)
         return outcome
 
     # -- 1. admission ------------------------------------------------------------------------------
-    def _admit(self, entry: Entry, outcome: Outcome) -> Job | None:
+    def _admit(self, entry: Entry, outcome: Outcome, now_ms: float) -> Job | None:
         try:
             request = decode_request(entry.fields)
-            validate_client_id(request.client_id)
+            if request.client_id not in self._valid_clients:
+                validate_client_id(request.client_id)
+                if len(self._valid_clients) >= _VALID_CLIENTS_KEPT:
+                    self._valid_clients.clear()
+                self._valid_clients.add(request.client_id)
         except MalformedMessage as exc:
             client, request_id = exc.data.get("client_id"), exc.data.get("request_id")
             if isinstance(client, str) and isinstance(request_id, str) and _valid_client(client):
@@ -156,22 +168,22 @@ class BatchProcessor:
             outcome.dead_letter(entry, MalformedMessage(str(exc)))
             return None
         try:
-            self._check(entry, request)
+            self._check(entry, request, now_ms)
         except LMQueueError as exc:
             logger.info("request %s refused: %s", request.request_id, exc.message)
             outcome.error(request.client_id, request.request_id, exc)
             return None
         return Job(entry, request)
 
-    def _check(self, entry: Entry, request: Request) -> None:
-        size = sum(len(value) for value in entry.fields.values())
+    def _check(self, entry: Entry, request: Request, now_ms: float) -> None:
+        size = sum(map(len, entry.fields.values()))
         if size > self.max_request_bytes:
             raise OversizeRequest(
                 f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
                 size=size,
                 limit=self.max_request_bytes,
             )
-        if request.deadline_ms and request.deadline_ms < time.time() * 1000:
+        if request.deadline_ms and request.deadline_ms < now_ms:
             raise DeadlineExceeded("the request's deadline passed before a worker took it")
         check_prompt(request.tokens, self.backend.vocab_size, self.max_prompt_tokens)
         if request.kind == "mass" and self.mass_computer is None:
@@ -179,59 +191,72 @@ class BatchProcessor:
 
     # -- 2-4. answering ----------------------------------------------------------------------------
     async def _answer(self, jobs: list[Job], outcome: Outcome) -> None:
-        wanted = {(job.request.token_bytes, _vector_dtype(job.request)) for job in jobs}
+        wanted: dict[bytes, set[str]] = {}
+        for job in jobs:
+            wanted.setdefault(job.request.token_bytes, set()).add(_vector_dtype(job.request))
         payloads = await self._cached_payloads(wanted)
-        missing = sorted({prompt for prompt, dtype in wanted if (prompt, dtype) not in payloads})
+        missing = sorted(
+            prompt
+            for prompt, dtypes in wanted.items()
+            if any((prompt, dtype) not in payloads for dtype in dtypes)
+        )
         computed = await self._compute(missing)
+        #: (prompt, dtype) -> the cache key its payload is being written under
+        written: dict[tuple[bytes, str], str] = {}
         for prompt in missing:
             result = computed[prompt]
             if isinstance(result, BaseException):
                 continue
-            for dtype in {d for p, d in wanted if p == prompt}:
-                payload = vector_to_bytes(result, dtype)
+            for dtype in wanted[prompt]:
+                payload = vector_payload(result, dtype)
                 payloads[(prompt, dtype)] = payload
                 if self.cache is not None:
-                    outcome.cache_puts.append((self.cache.key(dtype, prompt), payload))
+                    key = self.cache.key(dtype, prompt)
+                    written[(prompt, dtype)] = key
+                    outcome.cache_puts.append((key, payload))
         for job in jobs:
-            await self._reply(job, payloads, computed, outcome)
+            request = job.request
+            failure = computed.get(request.token_bytes)
+            if isinstance(failure, BaseException):
+                outcome.error(request.client_id, request.request_id, failure)
+                continue
+            wire = (request.token_bytes, _vector_dtype(request))
+            cached = request.token_bytes not in computed
+            if request.kind != "logprobs":
+                await self._reply_masses(request, payloads[wire], cached, outcome)
+            elif request.claims and wire in written:
+                outcome.claimable_result(
+                    request.client_id, request.request_id, payloads[wire], request.dtype,
+                    written[wire],
+                )  # fmt: skip
+            else:
+                outcome.result(
+                    request.client_id, request.request_id, payloads[wire], request.dtype, cached
+                )
 
     async def _cached_payloads(
-        self, wanted: set[tuple[bytes, str]]
-    ) -> dict[tuple[bytes, str], bytes]:
+        self, wanted: dict[bytes, set[str]]
+    ) -> dict[tuple[bytes, str], Payload]:
         if self.cache is None:
             return {}
-        keys = sorted(wanted)
+        keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
         values = await self.cache.get_many(
             [self.cache.key(dtype, prompt) for prompt, dtype in keys]
         )
         return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
 
-    async def _reply(
-        self,
-        job: Job,
-        payloads: dict[tuple[bytes, str], bytes],
-        computed: dict[bytes, Any],
-        outcome: Outcome,
+    async def _reply_masses(
+        self, request: Request, logprobs_payload: Payload, cached: bool, outcome: Outcome
     ) -> None:
-        request = job.request
-        failure = computed.get(request.token_bytes)
-        if isinstance(failure, BaseException):
-            outcome.error(request.client_id, request.request_id, failure)
-            return
-        payload = payloads[(request.token_bytes, _vector_dtype(request))]
-        cached = request.token_bytes not in computed
-        if request.kind == "logprobs":
-            outcome.result(request.client_id, request.request_id, payload, request.dtype, cached)
-            return
         assert self.mass_computer is not None
         try:
-            logprobs = bytes_to_vector(payload, "float32")
+            logprobs = bytes_to_vector(logprobs_payload, "float32")
             masses = await self.mass_computer.masses(logprobs, request)
         except LMQueueError as exc:
             outcome.error(request.client_id, request.request_id, exc)
             return
         outcome.result(
-            request.client_id, request.request_id, vector_to_bytes(masses, request.dtype),
+            request.client_id, request.request_id, vector_payload(masses, request.dtype),
             request.dtype, cached,
         )  # fmt: skip
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 _IDLE_BLOCK_MS = 500
+_CLAIM_PAUSE_S = 60
 
 
 class Worker:
@@ -63,7 +65,10 @@ class Worker:
         self.info = self._model_info()
         cache = None
         if settings.cache_writes:
-            cache = SharedCache(cache_redis or redis, self.keys, settings.model, self.info.revision)
+            cache = SharedCache(
+                cache_redis or redis, self.keys, settings.model, self.info.revision,
+                settings.redis.stall_timeout_s,
+            )  # fmt: skip
         self.processor = BatchProcessor(
             backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses
         )
@@ -72,6 +77,7 @@ class Worker:
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._claims_paused_until = 0.0
 
     def _model_info(self) -> ModelInfo:
         backend, settings = self.backend, self.settings
@@ -210,9 +216,19 @@ class Worker:
                 logger.info("keeping claims fresh failed: %s", exc)
 
     async def _flush(self, outcome: Outcome, attempts: int = 20) -> None:
-        """Write cache entries, replies, dead letters and acks; retry while Redis is down."""
-        if outcome.cache_puts and self.processor.cache is not None:
-            await self.processor.cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
+        """Write cache entries, replies, dead letters and acks; retry while Redis is down.
+
+        Claim-checks go out only for cache entries known to be stored: a separate cache instance
+        is written first and its answer decides; on the queue's own instance the entries are
+        written in the replies' pipeline, ahead of them.
+        """
+        cache = self.processor.cache
+        together = cache is not None and cache.redis is self.redis
+        if outcome.cache_puts and cache is not None and not together:
+            stored = await cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
+            puts = zip(outcome.cache_puts, stored, strict=True)
+            outcome.settle_claims({key for (key, _), ok in puts if ok})
+            outcome.cache_puts = []
         for attempt in range(attempts):
             try:
                 timeout_s = self.settings.redis.stall_timeout_s
@@ -224,7 +240,11 @@ class Worker:
         logger.error("gave up writing %d replies; their entries stay pending", len(outcome.replies))
 
     async def _write(self, outcome: Outcome) -> None:
+        """One pipeline: cache entries (same instance only), replies, dead letters, acks."""
+        puts = outcome.cache_puts
+        outcome.settle_claims({key for key, _ in puts} if self._claims_allowed() else ())
         async with self.redis.pipeline(transaction=False) as pipe:
+            SharedCache.queue_puts(pipe, puts, self.settings.cache_ttl_s)
             reply_keys = set()
             for client_id, fields in outcome.replies:
                 key = self.keys.replies(client_id)
@@ -240,7 +260,29 @@ class Worker:
                 pipe.xadd(dead_stream, dead, maxlen=self.settings.max_dead_letters or None,
                           approximate=True)  # fmt: skip
             self.stream.ack(pipe, outcome.acks)
-            await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
+        self._check_written(results, len(puts))
+
+    def _claims_allowed(self) -> bool:
+        return time.monotonic() >= self._claims_paused_until
+
+    def _check_written(self, results: list[Any], puts: int) -> None:
+        """Raise the first failure past the cache entries; pause claims if an entry failed.
+
+        A cache entry refused while its claim-check went out in the same pipeline (an ACL, a
+        read-only replica: out of memory would have refused the replies too) costs its client
+        one more request; claims pause for a minute rather than repeat that.
+        """
+        failed_puts = [r for r in results[:puts] if isinstance(r, Exception)]
+        if failed_puts:
+            if self._claims_allowed():
+                logger.warning("the queue instance refused %d cache entries (%s); claim-checks "
+                               "paused for %d s", len(failed_puts), failed_puts[0],
+                               _CLAIM_PAUSE_S)  # fmt: skip
+            self._claims_paused_until = time.monotonic() + _CLAIM_PAUSE_S
+        for result in results[puts:]:
+            if isinstance(result, Exception):
+                raise result
 
     async def _finish_inflight(self) -> None:
         """Give in-flight batches the grace period, then cancel them (they stay pending)."""

@@ -1,0 +1,104 @@
+"""`ClaimResolver`: fetches the vectors that claim-check replies point at.
+
+A worker that writes a result to the shared cache answers a client that asked for it
+(``Request.claims``) with the cache key instead of the vector, so the vector crosses the
+network once each way. The reply reader hands every claim-check of one read batch to
+`fetch`: one MGET on the cache instance (which may be a separate Redis) returns them all.
+
+A claimed key can be gone (evicted between the worker's SET and this GET, the cache flushed
+or unreachable); the reader then asks again for those requests with an inline reply, within
+their original deadlines. If most claims miss (a cache too small for the traffic, or a client
+pointed at another cache than the workers'), claim-checks only cost a round trip: the resolver
+pauses them for a while and requests travel inline meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shared.connections import bounded
+from shared.wire import VECTOR_DTYPES, Reply
+
+from .resp_pipe import RespPipe
+
+__all__ = ["ClaimResolver"]
+
+logger = logging.getLogger(__name__)
+
+#: Claims judged together, and the share of misses past which claim-checks pause.
+_WINDOW = 64
+_MAX_MISS_SHARE = 0.5
+_PAUSE_S = 30.0
+_ITEMSIZES = {name: np.dtype(code).itemsize for name, code in VECTOR_DTYPES.items()}
+
+
+class ClaimResolver:
+    """Resolves claim-check replies against the shared cache, one MGET per batch."""
+
+    def __init__(
+        self, cache_redis: Any, timeout_s: float = 10.0, pipe: RespPipe | None = None
+    ) -> None:
+        self.redis = cache_redis
+        self.pipe = pipe  # where it can connect: vectors land in arrays of their own
+        self.timeout_s = timeout_s
+        self.resolved = 0
+        self.missed = 0
+        self._window = [0, 0]  # hits, misses
+        self._paused_until = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether new requests should ask for claim-checks."""
+        return not self._paused_until or time.monotonic() >= self._paused_until
+
+    async def fetch(self, claims: Sequence[Reply]) -> tuple[list[Reply], list[Reply]]:
+        """The claims whose vectors were found, as ordinary replies, and those that missed.
+
+        Never raises for the cache's sake: an unreachable or silent cache misses every claim.
+        """
+        keys = [reply.claim for reply in claims]
+        try:
+            values = await bounded(self._mget(keys), self.timeout_s, "claim-check read")
+        except Exception as exc:  # the inline path does not need the cache
+            logger.warning("reading %d claimed results failed: %s", len(keys), exc)
+            values = [None] * len(keys)
+        found, missed = [], []
+        for reply, value in zip(claims, values, strict=True):
+            size = value.nbytes if isinstance(value, memoryview) else len(value or b"")
+            if value is not None and size and not size % _ITEMSIZES.get(reply.dtype, 1 << 30):
+                found.append(Reply(reply.request_id, value, reply.dtype, cached=reply.cached))
+            else:
+                missed.append(reply)
+        self._record(len(found), len(missed))
+        return found, missed
+
+    async def _mget(self, keys: list[Any]) -> list[Any]:
+        if self.pipe is None:
+            return list(await self.redis.mget(keys))
+        (values,) = await self.pipe.execute(("MGET", *keys))
+        if isinstance(values, Exception):
+            raise values
+        return list(values)
+
+    def _record(self, hits: int, misses: int) -> None:
+        self.resolved += hits
+        self.missed += misses
+        self._window[0] += hits
+        self._window[1] += misses
+        total = sum(self._window)
+        if total < _WINDOW:
+            return
+        share = self._window[1] / total
+        self._window = [0, 0]
+        if share > _MAX_MISS_SHARE:
+            logger.warning(
+                "%.0f%% of claimed results were missing from the shared cache (too small, or "
+                "not the workers' cache?); asking for inline replies for %.0f s",
+                100 * share, _PAUSE_S,
+            )  # fmt: skip
+            self._paused_until = time.monotonic() + _PAUSE_S

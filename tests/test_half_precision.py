@@ -1,0 +1,82 @@
+"""float16 on the wire: torch's fast conversions give numpy's results, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from producer.tensors import to_float32_tensor
+from shared.wire import bytes_to_vector, vector_payload, vector_to_bytes
+
+
+def _awkward_float32s() -> np.ndarray:
+    """Values where rounding to float16 is hard: ties, subnormals, overflow, infinities."""
+    rng = np.random.default_rng(0)
+    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    finite = every_half[np.isfinite(every_half)].astype(np.float32)
+    with np.errstate(over="ignore"):  # the spacing above 65504 is infinite
+        ulp = np.spacing(finite.astype(np.float16)).astype(np.float32)
+    ties = finite + ulp / 2  # exactly half-way: round to even
+    near = np.concatenate([finite + ulp * f for f in (0.25, 0.49, 0.51, 0.75, -0.5)])
+    randoms = np.concatenate(
+        [
+            (rng.standard_normal(100_000) * 10).astype(np.float32),
+            rng.uniform(-70_000, 70_000, 10_000).astype(np.float32),  # past float16's range
+            (rng.standard_normal(10_000) * 1e-6).astype(np.float32),  # float16 subnormals
+        ]
+    )
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, 6e-8, 2e-8, 3e-8])
+    values = np.concatenate([finite, ties, near, randoms, specials.astype(np.float32)])
+    return values[np.isfinite(values) | np.isinf(values)].astype(np.float32)
+
+
+def test_encoding_float32_to_float16_matches_numpy_bit_for_bit():
+    values = _awkward_float32s()
+    with np.errstate(over="ignore"):  # numpy warns where values overflow to infinity
+        expected = values.astype("<f2").view("<u2")
+    for vector in (values, torch.from_numpy(values.copy())):
+        got = np.frombuffer(vector_payload(vector, "float16"), dtype="<u2")
+        np.testing.assert_array_equal(got, expected)
+    assert vector_to_bytes(values, "float16") == expected.tobytes()
+
+
+def test_encoding_keeps_nans_nan():
+    values = np.array([np.nan, -np.nan, 1.0], dtype=np.float32)
+    decoded = bytes_to_vector(vector_payload(values, "float16"), "float16")
+    assert np.isnan(decoded[:2]).all() and decoded[2] == 1.0
+
+
+def test_decoding_float16_to_float32_matches_numpy_bit_for_bit():
+    every_half = np.arange(1 << 16, dtype=np.uint16).view("<f2")
+    raw = every_half.tobytes()
+    tensor = to_float32_tensor(bytes_to_vector(raw, "float16"))
+    assert tensor.dtype == torch.float32 and tensor.is_contiguous()
+    expected = every_half.astype(np.float32)
+    finite_or_inf = ~np.isnan(expected)
+    np.testing.assert_array_equal(
+        tensor.numpy().view("<u4")[finite_or_inf], expected.view("<u4")[finite_or_inf]
+    )
+    assert np.isnan(tensor.numpy()[~finite_or_inf]).all()
+
+
+def test_decoded_tensors_are_writable_copies():
+    raw = np.arange(40_000, dtype=np.float32).astype("<f2").tobytes()
+    tensor = to_float32_tensor(bytes_to_vector(raw, "float16"))
+    tensor.add_(1)  # would corrupt the wire payload if it were a view
+    assert bytes_to_vector(raw, "float16")[1] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_other_dtypes_are_viewed_or_cast_like_numpy(dtype):
+    vector = np.linspace(-30, 0, 50_000, dtype=np.float32)
+    payload = vector_payload(vector, dtype)
+    assert bytes(payload) == vector.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    if dtype == "float32":
+        assert np.shares_memory(np.frombuffer(payload, dtype="<f4"), vector)
+
+
+def test_a_read_only_float32_array_still_encodes_to_float16():
+    vector = np.frombuffer(np.linspace(-5, 0, 1000, dtype=np.float32).tobytes(), dtype="<f4")
+    assert not vector.flags.writeable
+    assert bytes(vector_payload(vector, "float16")) == vector.astype("<f2").tobytes()

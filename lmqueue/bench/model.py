@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import os
 import statistics
@@ -32,7 +33,7 @@ from shared.vocab import decode_vocab
 
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
-from .workload import Workload, result_figures
+from .workload import Workload, bench_prompt, result_figures
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -47,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of all sides; median kept")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of all sides, each its own prompt; median"
+    )
     parser.add_argument("--timeout-s", type=float, default=600, help="fail a side that hangs")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
@@ -73,29 +76,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.figure("prompt_tokens", len(workload.prompt))
         if workers:
             asyncio.run(wait_for_workers(server.url, args.model, workers))
-        runners: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
-            "genlm": lambda: _genlm(model, tokenizer, workload),
-            "inprocess": lambda: _inprocess(model, tokenizer, workload),
-            "lmqueue": lambda: _lmqueue(args.model, server.url, workers, workload),
+        runners: dict[str, Callable[[Workload], Awaitable[dict[str, Any]]]] = {
+            "genlm": lambda w: _genlm(model, tokenizer, w),
+            "inprocess": lambda w: _inprocess(model, tokenizer, w),
+            "lmqueue": lambda w: _lmqueue(args.model, server.url, workers, w),
         }
-        per_s = _rounds({side: runners[side] for side in sides}, args, report)
+        rounds = [
+            dataclasses.replace(
+                workload,
+                seed=args.seed + index,
+                prompt=bench_prompt(tokenizer, args.prompt_tokens, variant=index),
+            )  # fmt: skip
+            for index in range(args.repeats)
+        ]
+        per_s = _rounds({side: runners[side] for side in sides}, rounds, args, report)
     return report.finish(*_ratios(per_s), args.out_dir)
 
 
 def _rounds(
-    runners: dict[str, Callable[[], Awaitable[dict[str, Any]]]],
+    runners: dict[str, Callable[[Workload], Awaitable[dict[str, Any]]]],
+    workloads: list[Workload],
     args: argparse.Namespace,
     report: Report,
 ) -> dict[str, float]:
-    """Run every side `args.repeats` times, interleaved; the median calls/s of each.
+    """Run every side on each workload in turn, interleaved; the median calls/s of each.
 
     Interleaving means a load spike on a shared machine slows one round of every side rather
-    than every round of one side.
+    than every round of one side. Each round has its own prompt (sharing no prefix with the
+    others) and seed: the worker and the shared cache outlive a round, and a repeated
+    workload would be answered from them without a forward.
     """
     rounds: dict[str, list[float]] = {side: [] for side in runners}
-    for index in range(args.repeats):
+    for index, workload in enumerate(workloads):
         for side, runner in runners.items():
-            figures = asyncio.run(asyncio.wait_for(runner(), args.timeout_s))
+            figures = asyncio.run(asyncio.wait_for(runner(workload), args.timeout_s))
             gc.collect()
             rounds[side].append(figures["calls_per_s"])
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())

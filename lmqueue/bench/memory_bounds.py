@@ -7,10 +7,11 @@ into bytes:
 * KV: ``max_kv_tokens`` x bytes of KV per token position (2 x layers x KV heads x head
   dimension x element size: 45 KiB for SmolLM2-135M in float32);
 * results: ``cache_size`` x one float32 vector (4 x vocabulary);
-* one forward's working set: a batch's padded past, one tensor pair per layer; the model's
-  cache replaces each layer's pair by past + new positions as the forward reaches it, freeing
-  the old one (`padded_batch._past_cache`), so one copy of rows x longest prompt x KV per token
-  lives at a time, plus one layer's overlap, plus logits and log-softmax of every row;
+* one forward's working set: a batch's padded past with room for the new positions, one
+  block per layer, which the model's attention fills in place (`padded_batch._past_cache`), so
+  one copy of rows x longest prompt x KV per token lives at a time (counted with one layer's
+  more, the margin of the earlier layout that replaced each layer as the forward reached it),
+  plus logits and log-softmax of every row;
 * replies in flight: a worker holds up to two batches at once (one computing, one prefetched),
   each row's vector as a result tensor, as encoded bytes and in the pipeline's send buffer;
 * the baseline: the worker's RSS once loaded and idle, which holds the interpreter, torch and

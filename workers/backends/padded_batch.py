@@ -21,6 +21,7 @@ override their per-layer windows.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -144,7 +145,7 @@ def padded_forward(
     width_past = max(row.past_len for row in rows)
     width_new = max(len(row.new_tokens) for row in rows)
     ids, positions, real = _inputs(rows, width_past, width_new)
-    past = _past_cache(rows, width_past) if keep_kv else None
+    past = _past_cache(rows, width_past, width_new) if keep_kv else None
     output = model(
         input_ids=ids.to(device),
         attention_mask=_attention_mask(model, real.to(device), width_past, width_new),
@@ -198,15 +199,14 @@ def _has_sliding_window(config: Any) -> bool:
     return bool(windowed) or any(kind != "full_attention" for kind in layer_types)
 
 
-def _past_cache(rows: list[Row], width_past: int) -> Any:
+def _past_cache(rows: list[Row], width_past: int, width_new: int) -> Any:
     """The rows' pasts, right-padded with zeros, as a per-layer cache holding one copy.
 
-    Each layer gets a tensor of its own (keys and values are its two halves), handed to the
-    cache as it is: building the cache from data (``DynamicCache(ddp_cache_data=...)``) would
-    copy every layer once more, and a single block for all layers could be freed only when the
-    forward ends, while the model's cache replaces each layer's past with past + new positions
-    as the forward reaches it. So one copy of the batch's past lives at a time (plus the layer
-    being replaced).
+    Each layer gets a block of its own with room for the new positions too (keys and values
+    are its two halves), and the model's attention writes the new positions into it
+    (`_layer_class`) where the stock layer would concatenate past and new into a fresh tensor
+    every forward: one allocation and one copy of the batch's past per forward instead of two.
+    A single block for all layers would instead have to live until the forward ends.
 
     A row's past is a chain of trie segments, one per query that extended it (an SMC particle
     24 steps in has ~25). Copying segment by segment into every layer cost layers x rows x
@@ -215,28 +215,60 @@ def _past_cache(rows: list[Row], width_past: int) -> Any:
     SmolLM2 at 125 positions), then copied in with one copy per layer and row.
     """
     from transformers import DynamicCache  # imported here: `workers.backends` stays light
-    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache()
     if width_past == 0:
         return cache
     example = next(row.past[0] for row in rows if row.past)
     layers, _, heads, _, head_dim = example.shape
-    blocks = [example.new_zeros((2, len(rows), heads, width_past, head_dim)) for _ in range(layers)]
+    shape = (2, len(rows), heads, width_past + width_new, head_dim)
+    # empty, not zeros: every slot is written once, real positions by a copy, padding by a fill,
+    # new positions by the model
+    blocks = [example.new_empty(shape) for _ in range(layers)]
     for b, row in enumerate(rows):
-        if not row.past:
-            continue
-        whole = row.past[0] if len(row.past) == 1 else torch.cat(row.past, dim=3)
-        length = whole.shape[3]
-        for layer, block in enumerate(blocks):
-            block[:, b, :, :length] = whole[layer]
-        del whole
-    for block in blocks:
-        holder = DynamicLayer()
-        holder.lazy_initialization(block[0], block[1])
-        holder.keys, holder.values = block[0], block[1]
-        cache.layers.append(holder)
+        length = 0
+        if row.past:
+            whole = row.past[0] if len(row.past) == 1 else torch.cat(row.past, dim=3)
+            length = whole.shape[3]
+            for layer, block in enumerate(blocks):
+                block[:, b, :, :length] = whole[layer]
+            del whole
+        if length < width_past:
+            for block in blocks:
+                block[:, b, :, length:width_past] = 0  # masked out; never garbage (NaN*0 is NaN)
+    layer_class = _layer_class()
+    cache.layers.extend(layer_class(block, width_past) for block in blocks)
     return cache
+
+
+@functools.cache
+def _layer_class() -> type:
+    """A `DynamicLayer` that fills a preallocated block instead of concatenating."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """Keys and values are views of ``block[0]`` and ``block[1]`` up to the filled slot."""
+
+        def __init__(self, block: torch.Tensor, filled: int) -> None:
+            super().__init__()
+            self.block, self.filled = block, filled
+            self.dtype, self.device = block.dtype, block.device
+            self.keys, self.values = block[0, :, :, :filled], block[1, :, :, :filled]
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            end = self.filled + key_states.shape[-2]
+            if end > self.block.shape[3]:  # more than the forward was sized for: grow as usual
+                return super().update(key_states, value_states, *args, **kwargs)
+            self.block[0, :, :, self.filled : end] = key_states
+            self.block[1, :, :, self.filled : end] = value_states
+            self.filled = end
+            self.keys, self.values = self.block[0, :, :, :end], self.block[1, :, :, :end]
+            return self.keys, self.values
+
+    return PreallocatedLayer
 
 
 def _new_segments(cache: Any, rows: list[Row], width_past: int) -> list[torch.Tensor | None]:

@@ -69,3 +69,14 @@ def test_the_cache_role_defaults_to_the_queue_instance():
 def test_invalid_tenant_names_are_refused():
     with pytest.raises(SettingsError, match="tenant"):
         RedisSettings(tenant="a b")
+
+
+def test_the_worker_mmap_threshold_can_be_left_to_glibc_but_not_made_negative():
+    env = {"LMQ_MODEL": "m"}
+    assert WorkerSettings.from_env(env).malloc_mmap_threshold == 128 * 1024
+    assert (
+        WorkerSettings.from_env({**env, "LMQ_MALLOC_MMAP_THRESHOLD": "0"}).malloc_mmap_threshold
+        == 0
+    )
+    with pytest.raises(SettingsError, match="malloc_mmap_threshold"):
+        WorkerSettings.from_env({**env, "LMQ_MALLOC_MMAP_THRESHOLD": "-1"})

@@ -126,13 +126,14 @@ def return_freed_memory_to_the_os(
 def main(argv: list[str] | None = None) -> int:
     """Run a worker; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    return_freed_memory_to_the_os()
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
     )
     try:
         settings = settings_from_args(args, dict(os.environ))
+        if settings.malloc_mmap_threshold:  # before the model's weights are allocated
+            return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
         asyncio.run(run_worker(settings))
     except (SettingsError, LMQueueError) as exc:
         print(f"lmq worker: {exc}", file=sys.stderr)

@@ -19,10 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from shared.connections import bounded
-from shared.wire import VECTOR_DTYPES, Reply
+from shared.errors import MalformedMessage
+from shared.wire import Reply, check_payload
 
 from .resp_pipe import RespPipe
 
@@ -34,7 +33,6 @@ logger = logging.getLogger(__name__)
 _WINDOW = 64
 _MAX_MISS_SHARE = 0.5
 _PAUSE_S = 30.0
-_ITEMSIZES = {name: np.dtype(code).itemsize for name, code in VECTOR_DTYPES.items()}
 
 
 class ClaimResolver:
@@ -69,8 +67,7 @@ class ClaimResolver:
             values = [None] * len(keys)
         found, missed = [], []
         for reply, value in zip(claims, values, strict=True):
-            size = value.nbytes if isinstance(value, memoryview) else len(value or b"")
-            if value is not None and size and not size % _ITEMSIZES.get(reply.dtype, 1 << 30):
+            if _holds_vector(value, reply.dtype):
                 found.append(Reply(reply.request_id, value, reply.dtype, cached=reply.cached))
             else:
                 missed.append(reply)
@@ -102,3 +99,14 @@ class ClaimResolver:
                 100 * share, _PAUSE_S,
             )  # fmt: skip
             self._paused_until = time.monotonic() + _PAUSE_S
+
+
+def _holds_vector(value: Any, dtype: str) -> bool:
+    """Whether a cache value is a non-empty vector of `dtype` (else the claim counts as missed)."""
+    if not value:
+        return False
+    try:
+        check_payload(value, dtype)
+    except MalformedMessage:
+        return False
+    return True

@@ -46,6 +46,7 @@ __all__ = [
     "vector_to_bytes",
     "vector_payload",
     "bytes_to_vector",
+    "check_payload",
     "cast_in_chunks",
 ]
 
@@ -107,12 +108,18 @@ def vector_payload(vector: Any, dtype: str) -> memoryview:
 
 def bytes_to_vector(raw: bytes | memoryview, dtype: str) -> np.ndarray:
     """Decode raw little-endian bytes of the named wire dtype (no copy, read-only)."""
-    code = VECTOR_DTYPES.get(dtype)
-    if code is None:
+    check_payload(raw, dtype)
+    return np.frombuffer(raw, dtype=VECTOR_DTYPES[dtype])
+
+
+def check_payload(payload: bytes | memoryview, dtype: str) -> None:
+    """Raise `MalformedMessage` unless `payload` holds whole values of the named wire dtype."""
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
         raise MalformedMessage(f"unknown vector dtype {dtype!r}")
-    if len(raw) % np.dtype(code).itemsize:
-        raise MalformedMessage(f"{len(raw)} payload bytes do not hold whole {dtype} values")
-    return np.frombuffer(raw, dtype=code)
+    size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+    if size % itemsize:
+        raise MalformedMessage(f"{size} payload bytes do not hold whole {dtype} values")
 
 
 #: Largest piece converted by one torch op. From 32,768 elements (ATen's GRAIN_SIZE) torch hands
@@ -308,8 +315,7 @@ def decode_reply(fields: dict[bytes, bytes]) -> Reply:
         if not ok:
             return Reply(request_id, error=from_wire(header.get("error")))
         dtype = _field(header, "dtype", str)
-        itemsize = _ITEMSIZES.get(dtype)
-        if itemsize is None:
+        if dtype not in _ITEMSIZES:
             raise MalformedMessage(f"unknown vector dtype {dtype!r}")
         cached = bool(header.get("cached", False))
         payload = fields.get(b"d")
@@ -319,9 +325,7 @@ def decode_reply(fields: dict[bytes, bytes]) -> Reply:
             return Reply(request_id, None, dtype, cached=cached, claim=_field(header, "claim", str))
         if not isinstance(payload, bytes | memoryview):  # a view: an outcome not yet written
             raise MalformedMessage("result reply lacks its payload field 'd'")
-        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        if size % itemsize:
-            raise MalformedMessage(f"{size} payload bytes do not hold whole {dtype} values")
+        check_payload(payload, dtype)
         return Reply(request_id, payload, dtype, cached=cached)
     except MalformedMessage as exc:
         data = {"request_id": request_id} if isinstance(request_id, str) else {}

@@ -51,33 +51,14 @@ def redis_server(maxmemory: str = "0", policy: str = "noeviction") -> Iterator[L
 
 
 @contextlib.contextmanager
-def worker_pool(
-    count: int,
-    *,
-    model: str,
-    backend: str,
-    redis_url: str,
-    tag: str,
-    cache_url: str | None = None,
-    backend_opts: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
-) -> Iterator[list[WorkerProcess]]:
-    """`count` worker processes, all stopped (SIGTERM) when the block ends.
+def worker_pool(count: int, *, tag: str, **spec: Any) -> Iterator[list[WorkerProcess]]:
+    """`count` worker processes (`spec`: as for `add_workers`), all stopped when the block ends.
 
     The yielded list may grow inside the block (`add_workers`); those are stopped too.
     """
     workers: list[WorkerProcess] = []
-    spec = dict(
-        model=model,
-        backend=backend,
-        redis_url=redis_url,
-        tag=tag,
-        cache_url=cache_url,
-        backend_opts=backend_opts,
-        env=env,
-    )
     try:
-        add_workers(workers, count, **spec)  # type: ignore[arg-type]
+        add_workers(workers, count, tag=tag, **spec)
         yield workers
     finally:
         for worker in workers:

@@ -3,26 +3,34 @@
 lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a model
 lmq submit "The capital of France is" --top-k 5                       ask once
 lmq demo                                                               the whole pipeline
-lmq bench {transport,model,scaling,cache,memory,trie}                  benchmarks
+lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
+
+Every command reports a failure as one line naming the error and what to do, and exits
+non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
-__all__ = ["main"]
+from shared.failures import report_failure
+from shared.settings import ClientSettings
+
+__all__ = ["main", "build_parser"]
+
+_VERBOSE = "--verbose"
 
 
 def _submit(args: argparse.Namespace) -> int:
     from producer import QueueLM
 
-    url = args.redis_url or os.environ.get("LMQ_REDIS_URL") or os.environ.get("REDIS_URL")
+    settings = ClientSettings.resolve(redis_url=args.redis_url)
 
     async def ask() -> None:
-        async with await QueueLM.connect(args.model, redis_url=url) as lm:
+        async with await QueueLM.connect(args.model, settings=settings) as lm:
             ids = lm.tokenizer.encode(args.text)
             logprobs = await lm.next_token_logprobs(ids)
             values, tokens = logprobs.topk(args.top_k)
@@ -42,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(_VERBOSE, action="store_true", help="show tracebacks of failures")
     commands = parser.add_subparsers(dest="command", required=True)
     worker_parser(commands.add_parser("worker", help="serve a model from its request stream"))
     submit = commands.add_parser("submit", help="print the most likely next tokens of a text")
     submit.add_argument("text")
     submit.add_argument("--top-k", type=int, default=10)
     submit.add_argument("--model", default="smollm2-135m")
-    submit.add_argument("--redis-url", default=None)
+    submit.add_argument("--redis-url", default=None, help="default: $LMQ_REDIS_URL")
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -56,19 +65,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `lmq` console script."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        from workers.main import main as worker_main
+    """Entry point of the `lmq` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = _VERBOSE in argv
+    argv = [arg for arg in argv if arg != _VERBOSE]
+    command = argv[0] if argv else ""
+    try:
+        if command == "worker":
+            from workers.main import main as worker_main
 
-        return worker_main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
+            return worker_main(argv[1:], verbose=verbose)
+        if command == "bench":
+            from .bench import main as bench_main
 
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "submit":
-        return _submit(args)
-    from . import demo
+            return bench_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.command == "submit":
+            return _submit(args)
+        from . import demo
 
-    return demo.run(args)
+        return demo.run(args)
+    except (Exception, KeyboardInterrupt) as exc:
+        return report_failure(f"lmq {command}".strip(), exc, verbose)

@@ -1,9 +1,10 @@
 """``lmq demo``: the whole pipeline on one machine, end to end.
 
-Uses the Redis at ``REDIS_URL`` if set, else starts a private redis-server on a free port;
-starts worker processes for the default model; runs a constrained multi-particle generation
-(SMC: no token may contain the letter "e") through the queue with a progress bar; prints the
-samples and the throughput; then stops everything it started.
+Uses the Redis at ``--redis-url`` (or ``LMQ_REDIS_URL``/``REDIS_URL``) if set, else starts a
+private redis-server on a free port; starts worker processes for the default model; runs a
+constrained multi-particle generation (SMC: no token may contain the letter "e") through the
+queue with a progress bar; prints the samples and the throughput; then stops everything it
+started.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 
 from producer import QueueLM
+from shared.errors import ModelError, UnknownModel
+from shared.settings import configured_redis_url
 
 from .local_redis import LocalRedis
 from .smc import SMCResult, lipogram_mask, run_smc
@@ -37,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--redis-url", default=None, help="default: $REDIS_URL, else a private server"
+        "--redis-url", default=None, help="default: $LMQ_REDIS_URL, else a private server"
     )
 
 
@@ -97,10 +99,10 @@ async def _connect(model: str, url: str, workers: list[WorkerProcess]) -> QueueL
     while True:
         try:
             return await QueueLM.connect(model, redis_url=url, connect_timeout_s=2.0)
-        except LookupError:
+        except UnknownModel:
             if not any(worker.alive for worker in workers):
                 logs = "\n".join(worker.log()[-2000:] for worker in workers)
-                raise SystemExit(f"every worker exited before serving:\n{logs}") from None
+                raise ModelError(f"every worker exited before serving:\n{logs}") from None
 
 
 def _prompt_ids(tokenizer: object, text: str) -> list[int]:
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     # This process only samples; a team of spinning OpenMP threads would take the cores the
     # worker computes on (see README, "Client processes").
     torch.set_num_threads(1)
-    with _redis(args.redis_url or os.environ.get("REDIS_URL")) as url:
+    with _redis(args.redis_url or configured_redis_url()) as url:
         with _workers(args, url) as workers:
             asyncio.run(_generate(args, url, workers))
     return 0

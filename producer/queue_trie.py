@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from shared.trie import TokenCharacterTrie
-from shared.trie.inputs import as_node_ids
-from shared.validation import check_prompt
-from shared.vocab import vocab_digest
+from shared.lm.trie import TokenCharacterTrie
+from shared.lm.trie.inputs import as_node_ids
+from shared.lm.validation import check_prompt
+from shared.lm.vocab import vocab_digest
 from shared.wire import ids_to_bytes
 
 from .client import QueueLM

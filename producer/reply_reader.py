@@ -30,12 +30,12 @@ from typing import Any
 
 from shared.connections import bounded
 from shared.errors import MalformedMessage, Unavailable
+from shared.redis_errors import REDIS_DOWN
 from shared.wire import Reply, decode_reply
 
 from .claims import ClaimResolver
 from .inflight import InflightTable
 from .resp_pipe import RespPipe
-from .submitter import REDIS_DOWN
 
 __all__ = ["ReplyReader", "server_run_id"]
 

@@ -16,12 +16,11 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from shared.connections import bounded
 from shared.errors import Busy, LMQueueError, Unavailable
+from shared.redis_errors import REDIS_DOWN, translate
 from shared.shared_cache import SharedCache
 from shared.wire import Reply, encode_request
 
@@ -31,8 +30,6 @@ from .inflight import InflightTable, Pending
 __all__ = ["Submitter"]
 
 logger = logging.getLogger(__name__)
-
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
 class Submitter:
@@ -89,15 +86,13 @@ class Submitter:
     def _refuse(self, batch: list[Pending], exc: Exception) -> None:
         """Fail requests that Redis refused (e.g. OOM) or that hit an unexpected error."""
         error: LMQueueError
-        if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
-            error = Busy(f"Redis is out of memory: {exc}")
-        elif isinstance(exc, ResponseError):
-            error = Unavailable(f"Redis refused the requests: {exc}")
+        if isinstance(exc, RedisError):
+            error = translate(exc, "submitting requests")
         else:
             logger.error("submitting %d requests failed", len(batch), exc_info=exc)
             error = Unavailable(f"submitting failed: {type(exc).__name__}: {exc}")
         for pending in batch:
-            self.inflight.fail(pending.request_id, type(error)(error.message))
+            self.inflight.fail(pending.request_id, type(error)(error.message, **error.data))
 
     @staticmethod
     def _live(batch: list[Pending]) -> list[Pending]:

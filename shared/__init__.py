@@ -1,4 +1,10 @@
-"""What producers and workers agree on: messages, keys, settings, errors, vocabularies, caches."""
+"""What producers and workers agree on.
+
+Two halves: the wire agreement in this package's modules (`wire` messages, `keys`, `errors`,
+`registry`, `settings`, `connections`, `redis_errors`, `shared_cache`), and the model-side
+library in `shared.lm` (the `AsyncLM` interface, vocabularies and `Token`, `OutputCache`, the
+token-character tries). `shared` imports neither `producer` nor `workers`.
+"""
 
 from .errors import (
     BadRequest,
@@ -7,11 +13,14 @@ from .errors import (
     DeadLettered,
     DeadlineExceeded,
     EmptyPrompt,
+    Forbidden,
+    InvalidName,
     LMQueueError,
     MalformedMessage,
     ModelError,
     OversizeRequest,
     PromptTooLong,
+    SettingsError,
     TokenOutOfVocabulary,
     Unavailable,
     UnknownModel,
@@ -19,18 +28,12 @@ from .errors import (
     VocabularyMismatch,
 )
 from .keys import WORKER_GROUP, KeySpace
-from .output_cache import OutputCache
 from .registry import ModelInfo, ModelRegistry
-from .settings import ClientSettings, RedisSettings, SettingsError, WorkerSettings
+from .settings import ClientSettings, RedisSettings, WorkerSettings
 from .shared_cache import SharedCache
-from .tokens import Token
-from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
-from .validation import check_prompt
-from .vocab import decode_vocab
 from .wire import Reply, Request
 
 __all__ = [
-    "AsyncTokenCharacterTrie",
     "BadRequest",
     "Busy",
     "Cancelled",
@@ -38,23 +41,21 @@ __all__ = [
     "DeadLettered",
     "DeadlineExceeded",
     "EmptyPrompt",
+    "Forbidden",
+    "InvalidName",
     "KeySpace",
     "LMQueueError",
     "MalformedMessage",
     "ModelError",
     "ModelInfo",
     "ModelRegistry",
-    "OutputCache",
     "OversizeRequest",
-    "ParallelTokenCharacterTrie",
     "PromptTooLong",
     "RedisSettings",
     "Reply",
     "Request",
     "SettingsError",
     "SharedCache",
-    "Token",
-    "TokenCharacterTrie",
     "TokenOutOfVocabulary",
     "Unavailable",
     "UnknownModel",
@@ -62,6 +63,4 @@ __all__ = [
     "VocabularyMismatch",
     "WORKER_GROUP",
     "WorkerSettings",
-    "check_prompt",
-    "decode_vocab",
 ]

@@ -6,7 +6,9 @@ keep programs written against in-process backends working (`except ValueError`, 
 TimeoutError`).
 
     LMQueueError
+    ├── SettingsError (ValueError)           a setting has a value that cannot be used
     ├── BadRequest (ValueError)              the request itself is wrong; retrying will not help
+    │   ├── InvalidName                      a model, tenant, worker or client name unfit for a key
     │   ├── EmptyPrompt
     │   ├── TokenOutOfVocabulary
     │   ├── PromptTooLong
@@ -18,6 +20,7 @@ TimeoutError`).
     ├── ModelError (RuntimeError)            the backend failed while computing
     ├── DeadlineExceeded (TimeoutError)      the request's deadline passed before its result
     ├── Busy                                 admission control refused a new request
+    ├── Forbidden                            Redis refused an operation to this user (ACL)
     ├── DeadLettered                         the request failed on every delivery and was parked
     ├── Cancelled                            the request was withdrawn (client closed, reset)
     └── Unavailable (ConnectionError)        Redis or the workers cannot be reached
@@ -29,7 +32,9 @@ from typing import Any
 
 __all__ = [
     "LMQueueError",
+    "SettingsError",
     "BadRequest",
+    "InvalidName",
     "EmptyPrompt",
     "TokenOutOfVocabulary",
     "PromptTooLong",
@@ -41,6 +46,7 @@ __all__ = [
     "ModelError",
     "DeadlineExceeded",
     "Busy",
+    "Forbidden",
     "DeadLettered",
     "Cancelled",
     "Unavailable",
@@ -61,8 +67,16 @@ class LMQueueError(Exception):
         return (_rebuild, (type(self).__name__, self.message, self.data))
 
 
+class SettingsError(LMQueueError, ValueError):
+    """Raised when a setting has a value that cannot be used; names the key and the value."""
+
+
 class BadRequest(LMQueueError, ValueError):
     """Raised when a request is invalid in itself; sending it again cannot succeed."""
+
+
+class InvalidName(BadRequest):
+    """Raised when a model, tenant, worker or client name cannot be part of a Redis key."""
 
 
 class EmptyPrompt(BadRequest):
@@ -109,6 +123,10 @@ class Busy(LMQueueError):
     """Raised when the model's backlog is over its bound and a new request is refused."""
 
 
+class Forbidden(LMQueueError):
+    """Raised when Redis refuses an operation to this client's user (an ACL rule: NOPERM)."""
+
+
 class DeadLettered(LMQueueError):
     """Raised when a request failed on every delivery and was moved to the dead-letter stream."""
 
@@ -125,7 +143,9 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
     cls.__name__: cls
     for cls in (
         LMQueueError,
+        SettingsError,
         BadRequest,
+        InvalidName,
         EmptyPrompt,
         TokenOutOfVocabulary,
         PromptTooLong,
@@ -137,6 +157,7 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
         ModelError,
         DeadlineExceeded,
         Busy,
+        Forbidden,
         DeadLettered,
         Cancelled,
         Unavailable,

@@ -22,6 +22,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from .errors import InvalidName
+
 __all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "validate_client_id", "token_digest"]
 
 #: The consumer group every worker of a model joins on its request stream.
@@ -32,19 +34,19 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def validate_name(kind: str, name: str) -> str:
-    """Return `name` if it is safe inside a key, else raise ValueError naming `kind`."""
+    """Return `name` if it is safe inside a key, else raise `InvalidName` naming `kind`."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"invalid {kind} name {name!r}: use 1-200 of A-Z a-z 0-9 . _ / @ + = -")
+        raise InvalidName(f"invalid {kind} name {name!r}: use 1-200 of A-Z a-z 0-9 . _ / @ + = -")
     return name
 
 
 def validate_client_id(client_id: str) -> str:
-    """Return `client_id` if it may name a reply stream, else raise ValueError.
+    """Return `client_id` if it may name a reply stream, else raise `InvalidName`.
 
     Stricter than model names: it comes from the wire, and a worker writes to the key it names.
     """
     if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
-        raise ValueError(f"invalid client id {client_id!r}: use 1-64 of A-Z a-z 0-9 _ -")
+        raise InvalidName(f"invalid client id {client_id!r}: use 1-64 of A-Z a-z 0-9 _ -")
     return client_id
 
 

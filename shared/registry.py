@@ -53,8 +53,8 @@ class ModelInfo:
     @classmethod
     def from_bytes(cls, raw: bytes) -> ModelInfo:
         """Decode from msgpack, validating field names and types."""
+        values = _unpack(raw, "model info", _MAX_INFO_BYTES, max_map_len=64, max_array_len=4096)
         try:
-            values = msgpack.unpackb(raw, raw=False)
             info = cls(**values)
         except Exception as exc:
             raise MalformedMessage(f"model info does not decode: {exc}") from None
@@ -103,9 +103,11 @@ class ModelRegistry:
         raw = await self._redis.get(self._keys.model_tokenizer(name))
         if raw is None:
             raise UnknownModel(f"model {name!r} has no published tokenizer", model=name)
-        files = msgpack.unpackb(raw, raw=False)
-        if not isinstance(files, dict):
-            raise MalformedMessage("published tokenizer is not a file map")
+        files = _unpack(raw, "published tokenizer", _MAX_FILES_BYTES, max_map_len=64)
+        if not isinstance(files, dict) or not all(
+            isinstance(k, str) and isinstance(v, bytes) for k, v in files.items()
+        ):
+            raise MalformedMessage("published tokenizer is not a map of file names to bytes")
         return files
 
     async def byte_vocab(self, name: str) -> list[bytes]:
@@ -113,7 +115,7 @@ class ModelRegistry:
         raw = await self._redis.get(self._keys.model_vocab(name))
         if raw is None:
             raise UnknownModel(f"model {name!r} has no published vocabulary", model=name)
-        vocab = msgpack.unpackb(raw, raw=False)
+        vocab = _unpack(raw, "published vocabulary", _MAX_FILES_BYTES, max_array_len=_MAX_VOCAB)
         if not isinstance(vocab, list) or not all(isinstance(t, bytes) for t in vocab):
             raise MalformedMessage("published vocabulary is not a list of bytes")
         return vocab
@@ -155,3 +157,25 @@ def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None)
             (target / name).write_bytes(content)
         (target / ".complete").touch()
     return AutoTokenizer.from_pretrained(str(target))
+
+
+#: Sizes past which a registry value is refused unread: nothing a worker publishes comes near.
+_MAX_INFO_BYTES = 64 << 10
+_MAX_FILES_BYTES = 64 << 20
+_MAX_VOCAB = 1 << 21
+
+
+def _unpack(raw: bytes, what: str, max_bytes: int, **limits: int) -> Any:
+    """Decode a registry value with the wire's caution: size-capped, container-capped, typed.
+
+    Raises:
+        MalformedMessage: if `raw` is larger than `max_bytes` or is not valid msgpack within
+            `limits` (``max_map_len``, ``max_array_len``).
+    """
+    if not isinstance(raw, bytes) or len(raw) > max_bytes:
+        size = len(raw) if isinstance(raw, bytes) else type(raw).__name__
+        raise MalformedMessage(f"{what} of {size} bytes is over the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, **limits)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage input
+        raise MalformedMessage(f"{what} does not decode: {type(exc).__name__}: {exc}") from None

@@ -2,7 +2,12 @@
 
 Each process kind has one frozen dataclass. `from_env` reads ``LMQ_<FIELD>`` variables (plus
 the conventional ``REDIS_URL``), converts them by the field's type and reports a bad value with
-its key; tests pass a plain dict. Nothing here reads the environment at import time.
+its key; tests pass a plain dict. Nothing here reads the environment at import time, and
+nothing outside this module reads it at all: the CLI, the demo, the worker and model loading
+take their settings from here.
+
+The worker's batching defaults are defined once (`DEFAULT_BATCH_SIZE`, ...) and are also the
+defaults of the backends that batch, so an in-process backend batches like a worker's.
 """
 
 from __future__ import annotations
@@ -14,20 +19,49 @@ import socket
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
+from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
 
-__all__ = ["SettingsError", "RedisSettings", "WorkerSettings", "ClientSettings"]
+__all__ = [
+    "SettingsError",
+    "RedisSettings",
+    "WorkerSettings",
+    "ClientSettings",
+    "BACKENDS",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_BATCH_TOKENS",
+    "DEFAULT_MAX_WAIT_MS",
+    "configured_redis_url",
+    "model_cache_dir",
+]
 
 T = TypeVar("T")
 ENV_PREFIX = "LMQ_"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The backends ``lmq worker --backend`` knows.
+BACKENDS = ("hf", "mock", "vllm", "sgl")
+#: Entries a worker reads per batch; also the most prompts a batching backend runs at once.
+DEFAULT_BATCH_SIZE = 32
+#: Token budget of one forward pass.
+DEFAULT_MAX_BATCH_TOKENS = 8192
+#: How long a worker (and a batching backend) waits to fill a batch.
+DEFAULT_MAX_WAIT_MS = 5
 
 
-class SettingsError(ValueError):
-    """Raised when a setting has a value that cannot be used; names the key and the value."""
+def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The queue URL set in the environment (``LMQ_REDIS_URL`` or ``REDIS_URL``), else None."""
+    environ = os.environ if environ is None else environ
+    return environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL") or None
+
+
+def model_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where converted models and tokenizers are kept: ``LMQ_CACHE_DIR`` or ~/.cache/lmqueue."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("LMQ_CACHE_DIR") or Path.home() / ".cache" / "lmqueue")
 
 
 @dataclass(frozen=True)
@@ -59,8 +93,8 @@ class RedisSettings:
                 )
         try:
             self.keyspace()
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+        except InvalidName as exc:
+            raise SettingsError(exc.message) from None
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
@@ -72,7 +106,7 @@ class RedisSettings:
         """Read ``LMQ_REDIS_URL`` (or ``REDIS_URL``), ``LMQ_CACHE_URL``, ``LMQ_PREFIX``, ..."""
         environ = os.environ if environ is None else environ
         values = _from_environ(cls, environ, skip={"url"})
-        url = environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL")
+        url = configured_redis_url(environ)
         if url:
             values["url"] = url
         return cls(**values)
@@ -100,9 +134,9 @@ class WorkerSettings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     #: Stable consumer name; a restarted worker with the same name finishes its own pending work.
     name: str = field(default_factory=_default_worker_name)
-    batch_size: int = 32
-    max_batch_tokens: int = 8192
-    max_wait_ms: int = 5
+    batch_size: int = DEFAULT_BATCH_SIZE
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_wait_ms: int = DEFAULT_MAX_WAIT_MS
     max_prompt_tokens: int = 0  # 0: the model's context window
     device: str = ""
     backend_opts: dict[str, Any] = field(default_factory=dict)
@@ -123,14 +157,20 @@ class WorkerSettings:
     #: glibc serves blocks from this size by mmap, so freed ones leave the process (0: glibc's
     #: own moving threshold: faster on CPU, but RSS creeps past the memory bounds).
     malloc_mmap_threshold: int = 128 << 10
+    log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SettingsError("model is required (LMQ_MODEL or --model)")
-        validate_name("model", self.model)
-        if self.backend not in ("hf", "mock", "vllm", "sgl"):
-            raise SettingsError(f"backend={self.backend!r}: expected hf, mock, vllm or sgl")
-        validate_name("worker", self.name)
+        if self.backend not in BACKENDS:
+            raise SettingsError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise SettingsError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING, ...")
+        try:
+            validate_name("model", self.model)
+            validate_name("worker", self.name)
+        except InvalidName as exc:
+            raise SettingsError(exc.message) from None
         _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s")
         _require_non_negative(
             self,
@@ -189,6 +229,21 @@ class ClientSettings:
         values["redis"] = RedisSettings.from_env(environ)
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def resolve(
+        cls,
+        settings: ClientSettings | None = None,
+        redis_url: str | None = None,
+        **overrides: Any,
+    ) -> ClientSettings:
+        """The settings a client uses: `settings` (or the environment's), `redis_url` and
+        `overrides` on top. Resolved once per client; every way of connecting goes through here.
+        """
+        settings = settings or cls.from_env()
+        if redis_url is not None:
+            overrides.setdefault("redis", replace(settings.redis, url=redis_url))
+        return replace(settings, **overrides) if overrides else settings
 
 
 def _require_positive(settings: Any, *names: str) -> None:

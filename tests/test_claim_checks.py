@@ -148,9 +148,10 @@ async def test_an_evicted_claim_is_asked_again_inline_and_ends_once(backend, red
     async with serving(backend, redis_url) as worker:
         async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
             if path == "pipe":
-                lm.claims.pipe = _Evicting(lm.claims.pipe)
+                lm.channel.claims.pipe = _Evicting(lm.channel.claims.pipe)
             else:
-                lm.claims.pipe, lm.claims.redis = None, _Evicting(lm.claims.redis)
+                claims = lm.channel.claims
+                claims.pipe, claims.redis = None, _Evicting(claims.redis)
             await _answers(lm, backend)
             stats = lm.stats
     assert stats["claims_missed"] == len(PROMPTS) and stats["claims_resolved"] == 0
@@ -198,7 +199,7 @@ async def test_an_unreachable_cache_sends_the_results_inline(backend, redis_url)
 async def test_requests_that_do_not_ask_for_claims_get_inline_replies(backend, redis_url):
     async with serving(backend, redis_url):
         async with await QueueLM.connect("mock", redis_url=redis_url) as lm:
-            lm.claims._paused_until = float("inf")  # as after many misses
+            lm.channel.claims._paused_until = float("inf")  # as after many misses
             await _answers(lm, backend)
             assert lm.stats["claims_resolved"] == lm.stats["claims_missed"] == 0
 
@@ -244,11 +245,11 @@ async def test_without_resp_pipes_replies_and_claims_go_through_redis_py(backend
     """The path of rediss:// URLs, which `RespPipe` does not speak."""
     async with serving(backend, redis_url):
         async with await QueueLM.connect("mock", redis_url=redis_url) as lm:
-            lm.reader.pipe = lm.claims.pipe = None
+            lm.channel.reader.pipe = lm.channel.claims.pipe = None
             await _answers(lm, backend)
             assert lm.stats["claims_resolved"] == len(PROMPTS)
         async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype="float16") as lm:
-            lm.reader.pipe = lm.claims.pipe = None
+            lm.channel.reader.pipe = lm.channel.claims.pipe = None
             out = await lm.next_token_logprobs([3, 3, 3])
     half = backend.logprobs_of([3, 3, 3]).numpy().astype(np.float16).astype(np.float32)
     assert np.array_equal(out.numpy(), half)
@@ -269,7 +270,7 @@ async def test_a_refused_entry_in_the_replies_pipeline_pauses_claims(
         async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
             await _answers(lm, backend)
             missed = lm.stats["claims_missed"]
-            assert 0 < missed <= len(PROMPTS) and worker._claims_paused_until > 0
+            assert 0 < missed <= len(PROMPTS) and worker.writer.claims_paused_until > 0
             lm.clear_cache()
             await _answers(lm, backend)  # paused: inline from the start
             assert lm.stats["claims_missed"] == missed and lm.stats["claims_resolved"] == 0

@@ -127,7 +127,7 @@ async def test_a_request_without_a_worker_fails_at_its_deadline(backend, redis_u
         with pytest.raises(DeadlineExceeded):
             await lm.next_token_logprobs([1, 2, 3])
         assert 0.45 < loop.time() - started < 2.0
-        assert len(lm.inflight) == 0
+        assert len(lm.channel.inflight) == 0
 
 
 async def test_cancelling_one_waiter_leaves_the_others_waiting(backend, redis_url, smol_tokenizer):
@@ -145,7 +145,7 @@ async def test_cancelling_one_waiter_leaves_the_others_waiting(backend, redis_ur
             await asyncio.sleep(0.05)
             lone.cancel()
             await asyncio.sleep(0.6)  # its reply arrives and is ignored
-            assert len(lm.inflight) == 0
+            assert len(lm.channel.inflight) == 0
     finally:
         served.stop()
 
@@ -204,4 +204,4 @@ async def test_hundreds_of_concurrent_futures_resolve_exactly_once(lm, backend):
     out = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
     for prompt, row in zip(prompts[::37], out[::37], strict=True):
         assert torch.equal(row, backend.logprobs_of(prompt))
-    assert lm.inflight.resolved == lm.stats["sent"] and lm.stats["duplicate_replies"] == 0
+    assert lm.channel.inflight.resolved == lm.stats["sent"] and lm.stats["duplicate_replies"] == 0

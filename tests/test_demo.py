@@ -27,7 +27,7 @@ def _throughput(stdout: str) -> float:
 
 
 def test_the_demo_runs_on_its_own_private_redis_with_the_mock_backend():
-    env = {key: value for key, value in os.environ.items() if key != "REDIS_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "LMQ_REDIS_URL")}
     done = subprocess.run(
         [sys.executable, "-m", "lmqueue", "demo", "--backend", "mock", "--steps", "4",
          "--particles", "4"],

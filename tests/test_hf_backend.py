@@ -21,7 +21,7 @@ from shared.errors import (
     PromptTooLong,
     TokenOutOfVocabulary,
 )
-from shared.vocab import decode_vocab
+from shared.lm.vocab import decode_vocab
 from workers.backends import AsyncTransformer
 from workers.backends.padded_batch import Row, _attention_mask, _inputs
 
@@ -416,7 +416,9 @@ def test_from_name_loads_the_model_and_names_its_revision(
     )
     plain = AsyncTransformer.from_name(str(tiny_model_dir))
     quantized = AsyncTransformer.from_name(
-        str(tiny_model_dir), hf_opts={"dtype": "float32"}, bitsandbytes_opts={"load_in_8bit": True}
+        str(tiny_model_dir),
+        engine_opts={"dtype": "float32"},
+        bitsandbytes_opts={"load_in_8bit": True},
     )
     assert plain.revision == models.resolve_model(str(tiny_model_dir)).revision
     assert quantized.revision.startswith(plain.revision + "+")

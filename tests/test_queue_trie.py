@@ -9,7 +9,7 @@ import pytest
 
 from producer import QueueLM, QueueTrie
 from shared.errors import BadRequest, UnknownNode, VocabularyMismatch
-from shared.trie import ParallelTokenCharacterTrie
+from shared.lm.trie import ParallelTokenCharacterTrie
 from shared.wire import ids_to_bytes
 from workers.backends.mock import MockAsyncLM
 from workers.masses import TrieMasses

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from shared.errors import Cancelled, EmptyPrompt, ModelError, PromptTooLong
-from shared.tokens import Token
+from shared.lm.tokens import Token
 from workers.backends import engine_imports
 from workers.backends.engine_imports import SGLANG, MissingEngine, SGLEngine, import_engine
 from workers.backends.sgl import AsyncSGLTransformer

@@ -11,7 +11,7 @@ import pytest
 from test_trie import weights_for
 
 from shared.errors import Cancelled, VocabularyMismatch
-from shared.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
 WORDS = [b"a", b"ab", b"abc", b"b", b"", b"ab", b"\xc3\xa9"]
 

@@ -11,8 +11,8 @@ import torch
 from test_trie import brute_force, weights_for
 
 from shared.errors import VocabularyMismatch
-from shared.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
-from shared.vocab import decode_vocab
+from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from shared.lm.vocab import decode_vocab
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
-from shared.tokens import Token
+from shared.lm.tokens import Token
 from workers.backends import engine_imports
 from workers.backends.engine_imports import VLLM, MissingEngine, VLLMEngine, import_engine
 from workers.backends.vllm import AsyncVirtualLM
@@ -45,14 +45,17 @@ def _real_vllm() -> SimpleNamespace | None:
             import vllm.v1.worker.gpu_input_batch as gib
             from vllm import SamplingParams
             from vllm.v1.sample.sampler import Sampler
-    except Exception:
+    except ModuleNotFoundError as exc:  # only vLLM itself (or a package it needs) missing skips
+        _MISSING.append(str(exc))
         return None
     return SimpleNamespace(lp=lp, gib=gib, SamplingParams=SamplingParams, Sampler=Sampler)
 
 
+_MISSING: list[str] = []
 REAL: Any = _real_vllm()
 needs_real_vllm = pytest.mark.skipif(
-    REAL is None, reason="vLLM 0.26's Python modules are not importable (see docs/ENGINES.md)"
+    REAL is None,
+    reason=f"vLLM 0.26's Python modules are not importable ({_MISSING}; see docs/ENGINES.md)",
 )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.tokens import Token
-from shared.vocab import VocabularyError, decode_vocab
+from shared.lm.tokens import Token
+from shared.lm.vocab import VocabularyError, decode_vocab
 
 TEXTS = [
     "Hello, world!",

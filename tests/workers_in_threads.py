@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from shared.connections import async_redis
+from shared.lm.interface import AsyncLM
 from shared.settings import RedisSettings, WorkerSettings
-from workers.backends.base import AsyncLM
 from workers.worker import Worker
 
 

@@ -1,40 +1,66 @@
-"""Building the backend a worker's settings name."""
+"""Building the backend a worker's settings name.
+
+``LMQ_BACKEND_OPTS`` (``--backend-opts``) is a JSON object of the backend's `from_name`
+options, ``engine_opts`` among them (see `workers.backends.options`). The worker's own
+batching settings become the defaults of a backend that batches by itself (hf: one stream
+batch becomes one forward), and ``--device`` goes to the backends that can place a model;
+anything a backend cannot honour is refused with `SettingsError` before loading starts.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from shared.errors import SettingsError
+from shared.lm.interface import AsyncLM
 from shared.settings import WorkerSettings
 
-from .backends.base import AsyncLM
+__all__ = ["backend_class", "backend_options", "load_backend"]
 
-__all__ = ["load_backend"]
+#: Backend name -> (module, class); modules are imported only when their backend is used.
+_CLASSES = {
+    "mock": ("workers.backends.mock", "MockAsyncLM"),
+    "hf": ("workers.backends.hf", "AsyncTransformer"),
+    "vllm": ("workers.backends.vllm", "AsyncVirtualLM"),
+    "sgl": ("workers.backends.sgl", "AsyncSGLTransformer"),
+}
+
+
+def backend_class(name: str) -> Any:
+    """The class of backend `name` (its engine is imported only by `from_name`)."""
+    if name not in _CLASSES:
+        raise SettingsError(f"backend={name!r}: expected one of {', '.join(_CLASSES)}")
+    module, attribute = _CLASSES[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def backend_options(settings: WorkerSettings, accepted: frozenset[str]) -> dict[str, Any]:
+    """The keyword arguments of `from_name`: the backend options over the worker's defaults."""
+    options: dict[str, Any] = dict(settings.backend_opts)
+    if settings.device:
+        if "device" not in accepted:
+            raise SettingsError(
+                f"device={settings.device!r}: the {settings.backend} backend cannot be placed "
+                "on a device by lmqueue (--device is for hf and sgl; vllm takes engine_opts)"
+            )
+        options.setdefault("device", settings.device)
+    if "max_batch_tokens" in accepted:  # a backend that forms its own batches
+        options.setdefault("batch_size", settings.batch_size)
+        options.setdefault("max_batch_tokens", settings.max_batch_tokens)
+        options.setdefault("timeout", settings.max_wait_ms / 1000)
+    return options
 
 
 def load_backend(settings: WorkerSettings) -> AsyncLM:
-    """Load `settings.backend` for `settings.model` with `settings.backend_opts`.
+    """Load `settings.backend` for `settings.model`.
 
     Blocking (model loading takes seconds); call it before serving or in a thread.
+
+    Raises:
+        SettingsError: an option the backend does not accept or cannot honour.
     """
-    opts: dict[str, Any] = dict(settings.backend_opts)
-    if settings.backend == "mock":
-        from .backends.mock import MockAsyncLM
-
-        return MockAsyncLM.from_name(settings.model, **opts)
-    if settings.backend == "hf":
-        from .backends.hf import AsyncTransformer
-
-        if settings.device:
-            opts.setdefault("hf_opts", {}).setdefault("device_map", settings.device)
-        # One stream batch becomes one forward: the worker submits a batch's prompts at once.
-        opts.setdefault("batch_size", settings.batch_size)
-        opts.setdefault("max_batch_tokens", settings.max_batch_tokens)
-        opts.setdefault("timeout", settings.max_wait_ms / 1000)
-        return AsyncTransformer.from_name(settings.model, **opts)
-    if settings.backend == "vllm":
-        from .backends.vllm import AsyncVirtualLM
-
-        return AsyncVirtualLM.from_name(settings.model, **opts)
-    from .backends.sgl import AsyncSGLTransformer
-
-    return AsyncSGLTransformer.from_name(settings.model, **opts)
+    cls = backend_class(settings.backend)
+    options = backend_options(settings, cls.OPTIONS)
+    backend: AsyncLM = cls.from_name(settings.model, **options)
+    return backend

@@ -12,14 +12,17 @@ import asyncio
 import ctypes
 import json
 import logging
-import os
 import signal
 import sys
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from shared.connections import async_redis
-from shared.errors import LMQueueError
-from shared.settings import SettingsError, WorkerSettings
+from shared.errors import SettingsError
+from shared.failures import report_failure
+from shared.redis_errors import redis_boundary
+from shared.settings import RedisSettings, WorkerSettings
 
 from .backend_loader import load_backend
 from .worker import Worker
@@ -43,19 +46,22 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--max-wait-ms", type=int, help="wait to fill a batch (LMQ_MAX_WAIT_MS)")
     parser.add_argument("--device", help="torch device for hf, e.g. cuda:0 (LMQ_DEVICE)")
     parser.add_argument("--backend-opts", help="JSON object of backend options (LMQ_BACKEND_OPTS)")
-    parser.add_argument("--log-level", default=os.environ.get("LMQ_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (LMQ_LOG_LEVEL)")
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks of failures")
     return parser
 
 
-def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> WorkerSettings:
-    """Environment settings with the given flags applied on top."""
-    env = dict(environ)
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> WorkerSettings:
+    """Settings from the environment (`environ`, default the process's) with the flags on top."""
+    redis = RedisSettings.from_env(environ)
     if args.redis_url:
-        env["LMQ_REDIS_URL"] = args.redis_url
+        redis = replace(redis, url=args.redis_url)
     if args.cache_url:
-        env["LMQ_CACHE_URL"] = args.cache_url
-    overrides: dict[str, Any] = {}
-    for name in ("model", "backend", "name", "batch_size", "max_wait_ms", "device"):
+        redis = replace(redis, cache_url=args.cache_url)
+    overrides: dict[str, Any] = {"redis": redis}
+    for name in ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -64,7 +70,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Wor
             overrides["backend_opts"] = json.loads(args.backend_opts)
         except json.JSONDecodeError as exc:
             raise SettingsError(f"--backend-opts={args.backend_opts!r}: {exc}") from None
-    return WorkerSettings.from_env(env, **overrides)
+        if not isinstance(overrides["backend_opts"], dict):
+            raise SettingsError(f"--backend-opts={args.backend_opts!r}: expected a JSON object")
+    return WorkerSettings.from_env(environ, **overrides)
 
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
@@ -80,7 +88,9 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
     if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
         cache_redis = async_redis(settings.redis.cache_url, settings.redis.connect_timeout_s)
     try:
-        await Worker(settings, backend, redis, cache_redis, masses=_masses(backend)).serve(stop)
+        with redis_boundary(f"worker {settings.name}"):
+            worker = Worker(settings, backend, redis, cache_redis, masses=_masses(backend))
+            await worker.serve(stop)
     finally:
         await backend.aclose()
         await redis.aclose()
@@ -123,21 +133,20 @@ def return_freed_memory_to_the_os(
     return bool(libc.mallopt(m_mmap_threshold, threshold_bytes) and trimmed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run a worker; returns the process exit code."""
+def main(argv: list[str] | None = None, verbose: bool = False) -> int:
+    """Run a worker; returns the process exit code (a failure is reported as one line)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
     try:
-        settings = settings_from_args(args, dict(os.environ))
+        settings = settings_from_args(args)
+        logging.basicConfig(
+            level=settings.log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+        )
         if settings.malloc_mmap_threshold:  # before the model's weights are allocated
             return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
         asyncio.run(run_worker(settings))
-    except (SettingsError, LMQueueError) as exc:
-        print(f"lmq worker: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        return report_failure("lmq worker", exc, verbose or args.verbose)
     return 0
 
 

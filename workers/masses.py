@@ -5,18 +5,23 @@ or the backend, like any request) and answers with the probability mass under ea
 or only under the nodes asked for (the children of one byte prefix are a few dozen numbers
 instead of a 150k-node vector). Node ids mean something only for one vocabulary, so a request
 carries the digest of the vocabulary its client numbered nodes with, and a mismatch is refused.
+
+Whole-vector requests of a batch (and of batches in flight together) are computed in one bulk
+call through an `AsyncTokenCharacterTrie`, which lives between ``async with`` enter and exit
+(the worker holds it for as long as it serves); node subsets are cheap and go one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from types import TracebackType
 
 import numpy as np
 
 from shared.errors import VocabularyMismatch
-from shared.trie import ParallelTokenCharacterTrie
-from shared.vocab import vocab_digest
+from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie
+from shared.lm.vocab import vocab_digest
 from shared.wire import Request
 
 __all__ = ["TrieMasses"]
@@ -27,12 +32,26 @@ class TrieMasses:
 
     Args:
         byte_vocab: the backend's byte vocabulary (trie leaves by token id).
+        max_batch_rows: the most whole vectors computed in one bulk call.
     """
 
-    def __init__(self, byte_vocab: Sequence[bytes]) -> None:
+    def __init__(self, byte_vocab: Sequence[bytes], max_batch_rows: int = 64) -> None:
         self.vocab_size = len(byte_vocab)
         self.digest = vocab_digest([bytes(t) for t in byte_vocab])
         self.trie = ParallelTokenCharacterTrie(list(byte_vocab), device="cpu")
+        self.batcher = AsyncTokenCharacterTrie(self.trie, max_batch_rows=max_batch_rows)
+
+    async def __aenter__(self) -> TrieMasses:
+        await self.batcher.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.batcher.shutdown()
 
     async def masses(self, logprobs: np.ndarray, request: Request) -> np.ndarray:
         """Probability mass (``sum``) or largest token probability (``max``) under each node.
@@ -49,5 +68,8 @@ class TrieMasses:
             )
         # A padded output layer has entries past the tokenizer's vocabulary: no token, no node.
         probabilities = np.exp(np.asarray(logprobs[: self.vocab_size], dtype=np.float64))
+        if request.nodes is None:
+            batched = self.batcher.mass_sum if request.mass_op == "sum" else self.batcher.mass_max
+            return await batched(probabilities)
         compute = self.trie.weight_sum if request.mass_op == "sum" else self.trie.weight_max
         return await asyncio.to_thread(compute, probabilities, request.nodes)

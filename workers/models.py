@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.errors import UnknownModel
+from shared.settings import model_cache_dir
 
 __all__ = [
     "ModelSpec",
@@ -50,11 +51,9 @@ class ModelSpec:
     revision: str
 
 
-def cache_dir(environ: dict[str, str] | None = None) -> Path:
-    """The directory lmqueue keeps converted models and tokenizers in."""
-    environ = dict(os.environ) if environ is None else environ
-    root = environ.get("LMQ_CACHE_DIR") or Path.home() / ".cache" / "lmqueue"
-    return Path(root)
+def cache_dir() -> Path:
+    """The directory lmqueue keeps converted models and tokenizers in (``LMQ_CACHE_DIR``)."""
+    return model_cache_dir()
 
 
 def resolve_model(name: str) -> ModelSpec:

@@ -1,13 +1,12 @@
-"""`Outcome`: everything one batch must write back, flushed in one pipeline."""
+"""`Outcome`: everything one batch must write back; `ReplyWriter` writes it."""
 
 from __future__ import annotations
 
-from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.errors import LMQueueError
-from shared.wire import encode_claim, encode_error, encode_result
+from shared.wire import encode_error, encode_result
 
 from .request_stream import Entry
 
@@ -33,9 +32,9 @@ class Outcome:
     """Replies, cache entries, acknowledgements and dead letters produced by one batch.
 
     Every entry read ends up in `acks`; each decodable one also gets exactly one reply, and
-    the undecodable ones without a reply address go to `dead` instead. Results that may go
-    out as claim-checks wait in `claimable` until the cache write is known to have succeeded
-    (`settle_claims`).
+    the undecodable ones without a reply address go to `dead` instead. Fresh results whose
+    payload is being written to the shared cache wait in `claimable`: the `ReplyWriter`
+    decides whether each travels as a claim-check or inline.
     """
 
     replies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
@@ -55,16 +54,6 @@ class Outcome:
     ) -> None:
         """Add a freshly computed result whose payload is also being written under `key`."""
         self.claimable.append(Claimable(client_id, request_id, payload, dtype, key))
-
-    def settle_claims(self, stored: Container[str]) -> None:
-        """Turn claimable results into replies: claim-checks for keys in `stored`, else inline."""
-        for item in self.claimable:
-            if item.key in stored:
-                fields = encode_claim(item.request_id, item.key, item.dtype)
-            else:
-                fields = encode_result(item.request_id, item.payload, item.dtype)
-            self.replies.append((item.client_id, fields))
-        self.claimable = []
 
     def error(self, client_id: str, request_id: str, error: BaseException) -> None:
         """Add an error reply."""

@@ -36,11 +36,11 @@ from shared.errors import (
     OversizeRequest,
 )
 from shared.keys import validate_client_id
+from shared.lm.interface import AsyncLM
+from shared.lm.validation import check_prompt
 from shared.shared_cache import SharedCache
-from shared.validation import check_prompt
 from shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
-from .backends.base import AsyncLM
 from .outcome import Outcome, Payload
 from .request_stream import Entry
 
@@ -52,7 +52,18 @@ _VALID_CLIENTS_KEPT = 4096
 
 
 class MassComputer(Protocol):
-    """Turns next-token log-probabilities into token-character trie masses."""
+    """Turns next-token log-probabilities into token-character trie masses.
+
+    Used between ``async with`` enter and exit (the worker holds it while serving).
+    """
+
+    async def __aenter__(self) -> Any:  # pragma: no cover - protocol
+        """Start what computing needs (a batching task)."""
+        ...
+
+    async def __aexit__(self, *exc_info: Any) -> None:  # pragma: no cover - protocol
+        """Stop it; calls after this fail."""
+        ...
 
     async def masses(
         self, logprobs: np.ndarray, request: Request
@@ -214,6 +225,7 @@ class BatchProcessor:
                     key = self.cache.key(dtype, prompt)
                     written[(prompt, dtype)] = key
                     outcome.cache_puts.append((key, payload))
+        masses = []  # computed together: whole-vector masses share one bulk trie call
         for job in jobs:
             request = job.request
             failure = computed.get(request.token_bytes)
@@ -223,7 +235,7 @@ class BatchProcessor:
             wire = (request.token_bytes, _vector_dtype(request))
             cached = request.token_bytes not in computed
             if request.kind != "logprobs":
-                await self._reply_masses(request, payloads[wire], cached, outcome)
+                masses.append(self._reply_masses(request, payloads[wire], cached, outcome))
             elif request.claims and wire in written:
                 outcome.claimable_result(
                     request.client_id, request.request_id, payloads[wire], request.dtype,
@@ -233,6 +245,7 @@ class BatchProcessor:
                 outcome.result(
                     request.client_id, request.request_id, payloads[wire], request.dtype, cached
                 )
+        await asyncio.gather(*masses)
 
     async def _cached_payloads(
         self, wanted: dict[bytes, set[str]]

@@ -16,32 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from shared.connections import bounded
+from shared.lm.interface import AsyncLM
+from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
 from shared.shared_cache import SharedCache
 
-from .backends.base import AsyncLM
 from .janitor import Janitor
-from .outcome import Outcome
 from .processor import BatchProcessor, MassComputer
+from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
 
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 _IDLE_BLOCK_MS = 500
-_CLAIM_PAUSE_S = 60
 
 
 class Worker:
@@ -72,12 +66,12 @@ class Worker:
         self.processor = BatchProcessor(
             backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses
         )
+        self.writer = ReplyWriter(redis, self.stream, self.keys, settings, cache)
         self.janitor = Janitor(self.stream, self.keys, settings)
         self.prefetch = prefetch
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self._claims_paused_until = 0.0
 
     def _model_info(self) -> ModelInfo:
         backend, settings = self.backend, self.settings
@@ -108,8 +102,22 @@ class Worker:
         logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
                     self.settings.name)  # fmt: skip
 
+    @contextlib.asynccontextmanager
+    async def _computing(self) -> AsyncIterator[None]:
+        """What computing needs while serving: the mass computer's batcher, if any."""
+        masses = self.processor.mass_computer
+        if masses is None:
+            yield
+            return
+        async with masses:
+            yield
+
     async def serve(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then finish in-flight batches within the grace period."""
+        async with self._computing():
+            await self._serve(stop)
+
+    async def _serve(self, stop: asyncio.Event) -> None:
         await self._retry_until_up(self.publish, stop)
         background = [asyncio.create_task(self._heartbeat(stop), name="heartbeat")]
         try:
@@ -123,7 +131,7 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            with contextlib.suppress(*_REDIS_DOWN):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.registry.leave(self.info.name, self.settings.name)
 
     async def run_until_idle(self) -> int:
@@ -134,9 +142,10 @@ class Worker:
         """
         await self.publish()
         before = self.answered
-        await self._drain_own_pending()
-        while entries := await self._read_batch(block_ms=None):
-            await self._handle(entries)
+        async with self._computing():
+            await self._drain_own_pending()
+            while entries := await self._read_batch(block_ms=None):
+                await self._handle(entries)
         return self.answered - before
 
     # -- reading ---------------------------------------------------------------------------------
@@ -152,7 +161,7 @@ class Worker:
             async for entry in entries:
                 parked = await self.janitor.park_if_exhausted(entry)
                 if parked is not None:
-                    await self._flush(parked)
+                    await self.writer.flush(parked)
                 else:
                     await self._handle([entry])
                 if stop is not None and stop.is_set():
@@ -169,7 +178,7 @@ class Worker:
                     _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
                     "request read",
                 )
-            except (*_REDIS_DOWN, ResponseError) as exc:
+            except REDIS_TROUBLE as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
                 await _sleep_unless(stop, 0.5)
                 continue
@@ -202,7 +211,7 @@ class Worker:
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
-        await self._flush(outcome)
+        await self.writer.flush(outcome)
         self.answered += len(outcome.acks)
 
     async def _keep_claims(self, entry_ids: list[str]) -> None:
@@ -212,77 +221,8 @@ class Worker:
             await asyncio.sleep(interval_s)
             try:
                 await self.stream.touch(entry_ids)
-            except (*_REDIS_DOWN, ResponseError) as exc:  # e.g. NOGROUP after a restart
+            except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
                 logger.info("keeping claims fresh failed: %s", exc)
-
-    async def _flush(self, outcome: Outcome, attempts: int = 20) -> None:
-        """Write cache entries, replies, dead letters and acks; retry while Redis is down.
-
-        Claim-checks go out only for cache entries known to be stored: a separate cache instance
-        is written first and its answer decides; on the queue's own instance the entries are
-        written in the replies' pipeline, ahead of them.
-        """
-        cache = self.processor.cache
-        together = cache is not None and cache.redis is self.redis
-        if outcome.cache_puts and cache is not None and not together:
-            stored = await cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
-            puts = zip(outcome.cache_puts, stored, strict=True)
-            outcome.settle_claims({key for (key, _), ok in puts if ok})
-            outcome.cache_puts = []
-        for attempt in range(attempts):
-            try:
-                timeout_s = self.settings.redis.stall_timeout_s
-                await bounded(self._write(outcome), timeout_s, "writing replies")
-                return
-            except _REDIS_DOWN as exc:
-                logger.warning("writing replies failed (%s); attempt %d", exc, attempt + 1)
-                await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
-        logger.error("gave up writing %d replies; their entries stay pending", len(outcome.replies))
-
-    async def _write(self, outcome: Outcome) -> None:
-        """One pipeline: cache entries (same instance only), replies, dead letters, acks."""
-        puts = outcome.cache_puts
-        outcome.settle_claims({key for key, _ in puts} if self._claims_allowed() else ())
-        async with self.redis.pipeline(transaction=False) as pipe:
-            SharedCache.queue_puts(pipe, puts, self.settings.cache_ttl_s)
-            reply_keys = set()
-            for client_id, fields in outcome.replies:
-                key = self.keys.replies(client_id)
-                reply_keys.add(key)
-                pipe.xadd(key, fields)
-            for key in reply_keys:
-                pipe.expire(key, self.settings.reply_ttl_s)
-            dead_stream = self.keys.dead_letters(self.settings.model)
-            for entry, reason in outcome.dead:
-                dead: dict[Any, bytes] = {**entry.fields, b"lmq.reason": reason.encode(),
-                                          b"lmq.entry_id": entry.entry_id.encode()}  # fmt: skip
-                # an archive for operators, not a queue: capped, unlike the request stream
-                pipe.xadd(dead_stream, dead, maxlen=self.settings.max_dead_letters or None,
-                          approximate=True)  # fmt: skip
-            self.stream.ack(pipe, outcome.acks)
-            results = await pipe.execute(raise_on_error=False)
-        self._check_written(results, len(puts))
-
-    def _claims_allowed(self) -> bool:
-        return time.monotonic() >= self._claims_paused_until
-
-    def _check_written(self, results: list[Any], puts: int) -> None:
-        """Raise the first failure past the cache entries; pause claims if an entry failed.
-
-        A cache entry refused while its claim-check went out in the same pipeline (an ACL, a
-        read-only replica: out of memory would have refused the replies too) costs its client
-        one more request; claims pause for a minute rather than repeat that.
-        """
-        failed_puts = [r for r in results[:puts] if isinstance(r, Exception)]
-        if failed_puts:
-            if self._claims_allowed():
-                logger.warning("the queue instance refused %d cache entries (%s); claim-checks "
-                               "paused for %d s", len(failed_puts), failed_puts[0],
-                               _CLAIM_PAUSE_S)  # fmt: skip
-            self._claims_paused_until = time.monotonic() + _CLAIM_PAUSE_S
-        for result in results[puts:]:
-            if isinstance(result, Exception):
-                raise result
 
     async def _finish_inflight(self) -> None:
         """Give in-flight batches the grace period, then cancel them (they stay pending)."""
@@ -303,7 +243,7 @@ class Worker:
                     logger.warning("model registry entry missing (Redis restarted?); re-publishing")
                     await self.publish()
                 await self.registry.heartbeat(self.info.name, self.settings.name)
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 logger.warning("heartbeat failed: %s", exc)
             await _sleep_unless(stop, self.settings.heartbeat_s)
 
@@ -317,7 +257,7 @@ class Worker:
             try:
                 await self._recover(self.janitor.idle_entries(), stop)
                 await self.janitor.prune_if_due()
-            except (*_REDIS_DOWN, ResponseError) as exc:
+            except REDIS_TROUBLE as exc:
                 logger.warning("janitor sweep failed: %s", exc)
             except Exception:
                 logger.exception("janitor sweep failed")
@@ -328,7 +268,7 @@ class Worker:
             try:
                 await action()
                 return
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 if stop.is_set():
                     raise
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)

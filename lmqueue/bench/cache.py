@@ -77,8 +77,8 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 before = dict(lm.stats)
                 client_ms = await _sequential(lm.next_token_logprobs, prompts, args.calls)
                 after = lm.stats
-                assert lm.submitter.cache is not None
-                keys = [lm.submitter.cache.key(dtype, ids_to_bytes(p)) for p in prompts]
+                assert lm.channel.submitter.cache is not None
+                keys = [lm.channel.submitter.cache.key(dtype, ids_to_bytes(p)) for p in prompts]
             raw_ms = await _raw_gets(server.url, keys, args.calls)
             hits = after["cache_hits"] - before["cache_hits"]
             sent = after["sent"] - before["sent"]

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.lm.vocab import decode_vocab
 from shared.settings import ClientSettings, RedisSettings
-from shared.vocab import decode_vocab
 
 from ..worker_processes import WorkerProcess
 from .memory_bounds import MemorySampler, derive_bounds, model_figures, reset_peak_rss, vm_hwm

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shared.lm.vocab import decode_vocab
 from shared.settings import ClientSettings, RedisSettings
-from shared.vocab import decode_vocab
 
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool

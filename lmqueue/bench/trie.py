@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.trie import ParallelTokenCharacterTrie
-from shared.trie.layout import TrieLayout
-from shared.vocab import decode_vocab
+from shared.lm.trie import ParallelTokenCharacterTrie
+from shared.lm.trie.layout import TrieLayout
+from shared.lm.vocab import decode_vocab
 
 __all__ = ["run", "main", "report"]
 

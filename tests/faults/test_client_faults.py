@@ -99,13 +99,13 @@ async def test_a_slow_reader_under_fast_workers_stays_within_its_inflight_bound(
 
 def _slow_down(lm, pause_s: float) -> None:
     """Make the client's reply reader pause before every read, as a busy program would."""
-    read = lm.reader._read
+    read = lm.channel.reader._read
 
     async def slow_read():
         await asyncio.sleep(pause_s)
         return await read()
 
-    lm.reader._read = slow_read
+    lm.channel.reader._read = slow_read
 
 
 async def _sample_peaks(url: str, replies: str, running: asyncio.Task) -> dict[str, float]:
@@ -144,7 +144,7 @@ async def test_callers_past_max_inflight_wait_for_a_slot_within_their_deadline(
             *(lm.next_token_logprobs([1, n]) for n in range(5)), return_exceptions=True
         )
         elapsed_s = time.monotonic() - started
-        assert lm.stats["sent"] <= 5 and len(lm.inflight) == 0
-        assert lm._slots._value == 2  # every slot came back
+        assert lm.stats["sent"] <= 5 and len(lm.channel.inflight) == 0
+        assert lm.channel.slots._value == 2  # every slot came back
     assert all(isinstance(outcome, DeadlineExceeded) for outcome in outcomes)
     assert elapsed_s < 0.5 + 0.5  # the waiters' deadlines ran while they waited

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lmqueue.chaos_proxy import ChaosProxy
-
+from .chaos_proxy import ChaosProxy
 from .harness import Load, assert_clean, connect, make_prompts, probe, settled_streams
 
 
@@ -48,14 +47,14 @@ async def test_a_restart_while_the_reply_reader_holds_no_connection_is_still_not
     async with connect(fault_redis.url, timeout_s=30) as lm:
         flowing, parked = asyncio.Event(), asyncio.Event()
         flowing.set()
-        read = lm.reader._read
+        read = lm.channel.reader._read
 
         async def gated_read():
             parked.set()
             await flowing.wait()
             return await read()
 
-        lm.reader._read = gated_read
+        lm.channel.reader._read = gated_read
         load = Load(lm, make_prompts(800, seed=11))
         running = asyncio.create_task(load.run("redis restart while the reader is between reads"))
         await load.wait_done(200)

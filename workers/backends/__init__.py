@@ -7,7 +7,8 @@ imports without them.
 
 from typing import Any
 
-from .base import AsyncLM
+from shared.lm.interface import AsyncLM
+
 from .hf import AsyncTransformer
 from .mock import MockAsyncLM
 

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 
 from shared.errors import Cancelled, ModelError
-from shared.output_cache import OutputCache
-
-from .base import AsyncLM
+from shared.lm.interface import AsyncLM
+from shared.lm.output_cache import OutputCache
 
 __all__ = ["EngineBackend", "Key", "Result", "engine_error", "engine_model_source", "settle"]
 

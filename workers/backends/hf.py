@@ -29,8 +29,11 @@ from typing import Any
 import torch
 
 from shared.errors import Cancelled
+from shared.lm.interface import AsyncLM
+from shared.lm.validation import reject_adapter
+from shared.settings import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
 
-from .base import AsyncLM, reject_adapter
+from .options import check_options
 from .padded_batch import (
     ForwardStats,
     Output,
@@ -93,9 +96,9 @@ class AsyncTransformer(AsyncLM):
         model: Any,
         tokenizer: Any,
         *,
-        batch_size: int = 20,
-        timeout: float = 0.02,
-        max_batch_tokens: int = 4096,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        timeout: float = DEFAULT_MAX_WAIT_MS / 1000,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_kv_tokens: int = 16_384,
         cache_size: int = 1024,
         revision: str = "unknown",
@@ -122,35 +125,46 @@ class AsyncTransformer(AsyncLM):
         self._drainer: asyncio.Task[None] | None = None
         self._closed = False
 
+    #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
+    OPTIONS = frozenset(
+        {"batch_size", "timeout", "max_batch_tokens", "max_kv_tokens", "cache_size", "revision",
+         "device", "bitsandbytes_opts"}
+    )  # fmt: skip
+
     @classmethod
     def from_name(
-        cls,
-        model_id: str,
-        hf_opts: dict[str, Any] | None = None,
-        bitsandbytes_opts: dict[str, Any] | None = None,
-        **kwargs: Any,
+        cls, model: str, *, engine_opts: dict[str, Any] | None = None, **options: Any
     ) -> AsyncTransformer:
-        """Load `model_id` (an alias, a model directory or a hub id) and its tokenizer.
+        """Load `model` (an alias, a model directory or a hub id) and its tokenizer.
 
         Args:
-            hf_opts: extra ``from_pretrained`` options; with CUDA the default ``device_map`` is
-                ``cuda:0`` (one device: a KV segment holds all layers in one tensor).
-            bitsandbytes_opts: a ``BitsAndBytesConfig``'s options (``quantization_config``).
-            kwargs: the constructor's keyword arguments.
+            engine_opts: extra ``from_pretrained`` options; with CUDA the default
+                ``device_map`` is ``cuda:0`` (one device: a KV segment holds all layers in one
+                tensor).
+            options: the constructor's keyword arguments, and ``device`` (the ``device_map``)
+                and ``bitsandbytes_opts`` (a ``BitsAndBytesConfig``'s options).
+
+        Raises:
+            SettingsError: an option this backend does not accept.
         """
         from workers.models import load_causal_lm, load_tokenizer, resolve_model
 
-        opts = dict(hf_opts or {})
-        if torch.cuda.is_available():
+        check_options(cls.backend_name, options, cls.OPTIONS)
+        device = options.pop("device", None)
+        bitsandbytes_opts = options.pop("bitsandbytes_opts", None)
+        opts = dict(engine_opts or {})
+        if device:
+            opts["device_map"] = device
+        elif torch.cuda.is_available():
             opts.setdefault("device_map", "cuda:0")
         if bitsandbytes_opts:
             from transformers import BitsAndBytesConfig
 
             opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
-        model = load_causal_lm(model_id, opts)
-        revision = _revision(resolve_model(model_id).revision, hf_opts, bitsandbytes_opts)
-        kwargs.setdefault("revision", revision)
-        return cls(model, load_tokenizer(model_id), **kwargs)
+        loaded = load_causal_lm(model, opts)
+        revision = _revision(resolve_model(model).revision, engine_opts, bitsandbytes_opts)
+        options.setdefault("revision", revision)
+        return cls(loaded, load_tokenizer(model), **options)
 
     # -- what a worker publishes ---------------------------------------------------------------
     @property

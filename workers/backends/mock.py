@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.errors import ModelError
+from shared.errors import ModelError, SettingsError
+from shared.lm.interface import AsyncLM
+from shared.lm.validation import reject_adapter
 
-from .base import AsyncLM, reject_adapter
+from .options import check_options
 
 __all__ = ["MockAsyncLM"]
 
@@ -65,12 +67,26 @@ class MockAsyncLM(AsyncLM):
         self._waiting: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
         self._busy: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
+    #: lmqueue's own options of `from_name`; see workers.backends.options.
+    OPTIONS = frozenset(
+        {"batch_delay_s", "poison_token", "distinct_vectors", "crash_token", "oom_batch_size"}
+    )
+
     @classmethod
-    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
-        """A mock over the vocabulary of `model_name`'s tokenizer."""
+    def from_name(
+        cls, model: str, *, engine_opts: dict[str, Any] | None = None, **options: Any
+    ) -> MockAsyncLM:
+        """A mock over the vocabulary of `model`'s tokenizer.
+
+        Raises:
+            SettingsError: `engine_opts` (there is no engine) or an option it does not accept.
+        """
         from workers.models import load_tokenizer
 
-        return cls(load_tokenizer(model_name), **kwargs)
+        if engine_opts:
+            raise SettingsError("the mock backend has no engine: engine_opts cannot be honoured")
+        check_options(cls.backend_name, options, cls.OPTIONS)
+        return cls(load_tokenizer(model), **options)
 
     @property
     def revision(self) -> str:

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 
 from shared.errors import Cancelled, ModelError
+from shared.lm.validation import reject_adapter
 
-from .base import reject_adapter
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import SGLANG, SGLEngine, build_sgl_engine, require
+from .options import check_options, gpu_index
 
 __all__ = ["AsyncSGLTransformer"]
 
@@ -71,31 +72,34 @@ class AsyncSGLTransformer(EngineBackend):
         self._inflight: dict[str, Key] = {}  # rid -> prompt, for requests in the scheduler
         self._runner: asyncio.Task[None] | None = None
 
+    #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
+    OPTIONS = frozenset({"cache_size", "cache_opts", "device"})
+
     @classmethod
     def from_name(
-        cls,
-        model_id: str,
-        engine_opts: dict[str, Any] | None = None,
-        gpu_id: int = 0,
-        **kwargs: Any,
+        cls, model: str, *, engine_opts: dict[str, Any] | None = None, **options: Any
     ) -> AsyncSGLTransformer:
-        """Start an SGLang scheduler on `model_id` (an alias, directory or hub id) on `gpu_id`.
+        """Start an SGLang scheduler on `model` (an alias, directory or hub id).
 
         Args:
             engine_opts: SGLang ``ServerArgs`` options over `engine_imports.SGL_DEFAULTS`.
-            kwargs: the constructor's keyword arguments.
+            options: the constructor's keyword arguments, and ``device`` (``cuda:N``, default
+                ``cuda:0``): the GPU the scheduler runs on.
 
         Raises:
+            SettingsError: an option this backend does not accept.
             MissingEngine: SGLang is not installed (``pip install 'lmqueue[sgl]'``).
         """
         from workers.models import load_tokenizer
 
+        check_options(cls.backend_name, options, cls.OPTIONS)
+        gpu_id = gpu_index(options.pop("device", None) or "cuda:0")
         require(SGLANG)  # before minutes of loading
-        source, revision = engine_model_source(model_id)
-        tokenizer = load_tokenizer(model_id)
+        source, revision = engine_model_source(model)
+        tokenizer = load_tokenizer(model)
         handle = build_sgl_engine(source, engine_opts, gpu_id)
         handle = replace(handle, revision=f"{revision}+{handle.revision}")
-        return cls(handle, tokenizer, **kwargs)
+        return cls(handle, tokenizer, **options)
 
     @property
     def vector_size(self) -> int:

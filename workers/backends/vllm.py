@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from shared.errors import BadRequest, Cancelled, ModelError
+from shared.lm.validation import reject_adapter
 
-from .base import reject_adapter
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import VLLM, VLLMEngine, build_vllm_engine, require
+from .options import check_options
 
 __all__ = ["AsyncVirtualLM"]
 
@@ -63,28 +64,33 @@ class AsyncVirtualLM(EngineBackend):
         self._handle = handle
         self._driver = _EngineThread(handle)
 
+    #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
+    OPTIONS = frozenset({"cache_size", "cache_opts"})
+
     @classmethod
     def from_name(
-        cls, model_name: str, engine_opts: dict[str, Any] | None = None, **kwargs: Any
+        cls, model: str, *, engine_opts: dict[str, Any] | None = None, **options: Any
     ) -> AsyncVirtualLM:
-        """Load `model_name` (an alias, a model directory or a hub id) into in-process vLLM.
+        """Load `model` (an alias, a model directory or a hub id) into in-process vLLM.
 
         Args:
             engine_opts: vLLM ``EngineArgs`` options over `engine_imports.VLLM_DEFAULTS`
-                (prefix caching on).
-            kwargs: the constructor's keyword arguments.
+                (prefix caching on); vLLM places the model itself.
+            options: the constructor's keyword arguments.
 
         Raises:
+            SettingsError: an option this backend does not accept.
             MissingEngine: vLLM is not installed (``pip install 'lmqueue[vllm]'``).
         """
         from workers.models import load_tokenizer
 
+        check_options(cls.backend_name, options, cls.OPTIONS)
         require(VLLM)  # before minutes of loading
-        source, revision = engine_model_source(model_name)
-        tokenizer = load_tokenizer(model_name)
+        source, revision = engine_model_source(model)
+        tokenizer = load_tokenizer(model)
         handle = build_vllm_engine(source, engine_opts)
         handle = replace(handle, revision=f"{revision}+{handle.revision}")
-        return cls(handle, tokenizer, **kwargs)
+        return cls(handle, tokenizer, **options)
 
     @property
     def vector_size(self) -> int:

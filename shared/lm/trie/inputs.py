@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadRequest, UnknownNode, VocabularyMismatch
+from ...errors import BadRequest, UnknownNode, VocabularyMismatch
 
 __all__ = ["Reduction", "SUM", "MAX", "as_weight_matrix", "as_node_ids", "check_weight_shape"]
 

@@ -1,4 +1,4 @@
-"""`AsyncLM`: the interface every backend implements, and the client mirrors.
+"""`AsyncLM`: the interface every backend implements, and so does the client, `QueueLM`.
 
 A backend maps a tokenized prompt to the normalized log-probabilities of the next token, as a
 1-d float32 tensor of length `vector_size`. Concurrent `next_token_logprobs` calls are the unit
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from shared.tokens import Token
-from shared.validation import check_prompt, reject_adapter
-from shared.vocab import decode_vocab
+from shared.lm.tokens import Token
+from shared.lm.validation import check_prompt
+from shared.lm.vocab import decode_vocab
 
-__all__ = ["AsyncLM", "reject_adapter"]
+__all__ = ["AsyncLM"]
 
 
 class AsyncLM(ABC):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import Cancelled
+from ...errors import Cancelled
 from .inputs import MAX, SUM, Reduction, as_weight_matrix
 from .parallel import ParallelTokenCharacterTrie
 from .structure import TokenCharacterTrie

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from ..errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 
 __all__ = ["check_prompt", "reject_adapter"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UnknownNode
+from ...errors import UnknownNode
 from ..tokens import Token
 from .inputs import MAX, SUM, Reduction, as_node_ids, as_weight_matrix
 from .layout import TrieLayout, build_layout

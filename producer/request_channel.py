@@ -1,0 +1,202 @@
+"""`RequestChannel`: everything that carries one client's requests to the workers and back.
+
+A request takes an in-flight slot (at most ``max_inflight`` distinct requests are outstanding,
+which bounds this client's memory and the replies queued for it in Redis however slowly it
+reads them; further callers wait for a slot within their own deadline), joins an identical
+in-flight request if there is one, and otherwise gets a request id and a deadline in the
+`InflightTable`. The `Submitter` sends requests in micro-batches (shared-cache hits never
+reach a worker); the `ReplyReader` settles them from this client's reply stream (vectors are
+received in place by a `RespPipe`, claim-checks fetched from the shared cache by the
+`ClaimResolver`) and resubmits everything in flight when Redis restarted. Both are tasks the
+channel owns between `start` and `close`; `close` fails whatever is still pending with
+`Cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Hashable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from shared.connections import bounded
+from shared.errors import Cancelled, DeadlineExceeded
+from shared.registry import ModelInfo
+from shared.settings import ClientSettings
+from shared.shared_cache import SharedCache
+from shared.wire import Request
+
+from .admission import Admission
+from .claims import ClaimResolver
+from .inflight import InflightTable, Pending
+from .reply_reader import ReplyReader
+from .resp_pipe import RespPipe
+from .slots import Slots
+from .submitter import Submitter
+
+__all__ = ["RequestChannel"]
+
+
+class RequestChannel:
+    """One client's send and receive sides, its in-flight requests and their slots.
+
+    Args:
+        info: the model's published info (its name, revision and backlog bound are used).
+        settings: the client's settings.
+        redis: the queue role's asyncio client; `cache_redis` the cache role's (may be the same).
+        run_id: the queue server's run id at connect time, to notice a restart.
+        on_restart: called (on the loop) after a Redis restart, once everything in flight has
+            been queued again.
+    """
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        settings: ClientSettings,
+        redis: Any,
+        cache_redis: Any,
+        run_id: str | None = None,
+        on_restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client_id = uuid.uuid4().hex[:16]
+        self.redis = redis
+        self.cache_redis = cache_redis
+        self._on_restart_hook = on_restart
+        keys = settings.redis.keyspace()
+        stall_timeout_s = settings.redis.stall_timeout_s
+        self.slots = Slots(settings.max_inflight)
+        self.inflight = InflightTable(self.client_id, on_settled=self.slots.release)
+        shared = (
+            SharedCache(cache_redis, keys, info.name, info.revision, stall_timeout_s)
+            if settings.use_shared_cache
+            else None
+        )
+        self.pipes = [
+            RespPipe(url, settings.redis.connect_timeout_s) if RespPipe.supports(url) else None
+            for url in (settings.redis.url, settings.redis.effective_cache_url)
+        ]
+        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=self.pipes[1])
+        bound = settings.max_backlog or info.max_backlog
+        admission = Admission(redis, keys.requests(info.name), bound)
+        self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
+        self.reader = ReplyReader(
+            redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,
+            read_count=settings.read_count, run_id=run_id, stall_timeout_s=stall_timeout_s,
+            claims=self.claims, on_claim_missed=self._ask_inline, pipe=self.pipes[0],
+        )  # fmt: skip
+        self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+
+    def start(self) -> None:
+        """Start the submitting and reply-reading tasks on the running loop."""
+        self._tasks = [
+            asyncio.create_task(self.submitter.run(), name=f"lmq-submit-{self.client_id}"),
+            asyncio.create_task(self.reader.run(), name=f"lmq-replies-{self.client_id}"),
+        ]
+
+    async def close(self) -> None:
+        """Stop both tasks, fail pending requests with `Cancelled`, delete the reply stream."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.inflight.fail_all(Cancelled, "the client was closed")
+        for pipe in self.pipes:
+            if pipe is not None:
+                pipe.close()
+        # Replies still on their way recreate the stream, with the workers' TTL on it.
+        with contextlib.suppress(Exception):
+            await bounded(self.redis.delete(self.reader.stream), 1.0, "deleting replies")
+
+    async def request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
+        """Submit (or join) one request and wait for its raw result vector (read-only).
+
+        Args: the prompt as little-endian int32 bytes, the kind (``logprobs`` or ``mass``),
+        the wire dtype, and for masses the `Request` fields ``mass_op``, ``node_bytes``,
+        ``vocab_digest``.
+        """
+        if self.closed:
+            raise Cancelled("the client is closed")
+        dedup_key = (token_bytes, kind, dtype, *sorted(extra.items()))
+        pending = self.inflight.find(dedup_key)
+        if pending is None:
+            pending = await self._new_request(dedup_key, token_bytes, kind, dtype, extra)
+        waiter = self.inflight.wait(pending)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self.inflight.leave(pending, waiter)
+            raise
+
+    async def _new_request(
+        self, dedup_key: Hashable, token_bytes: bytes, kind: str, dtype: str, extra: dict[str, Any]
+    ) -> Pending:
+        """Take an in-flight slot (waiting within the deadline if all are taken) and submit.
+
+        The slot is given back when the request settles, however it settles (`InflightTable`).
+        """
+        timeout_s = self.settings.timeout_s
+        started = time.time()
+        try:
+            if not self.slots.take_now():  # not asyncio.timeout: see shared.connections.bounded
+                await asyncio.wait_for(self.slots.take(), timeout_s or None)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no in-flight slot within {timeout_s:g} s (max_inflight="
+                f"{self.settings.max_inflight})", timeout_s=timeout_s,
+            ) from None  # fmt: skip
+        joined = self.inflight.find(dedup_key)  # made by another caller while this one waited
+        if joined is not None or self.closed:
+            self.slots.release()
+            if joined is None:
+                raise Cancelled("the client is closed")
+            return joined
+        remaining_s = max(timeout_s - (time.time() - started), 0.001) if timeout_s else 0
+        deadline_ms = int((started + timeout_s) * 1000) if timeout_s else 0
+        request = Request(
+            self.inflight.next_request_id(), self.client_id, token_bytes, kind, dtype,
+            deadline_ms, claims=kind == "logprobs" and self.claims.enabled, **extra,
+        )  # fmt: skip
+        pending = self.inflight.add(request, dedup_key, remaining_s)
+        self.submitter.submit(pending)
+        return pending
+
+    def _ask_inline(self, request_ids: list[str]) -> None:
+        """Their claimed results were gone: send them again, asking for inline replies."""
+        again = []
+        for request_id in request_ids:
+            pending = self.inflight.get(request_id)
+            if pending is not None:
+                pending.request = replace(pending.request, claims=False)
+                pending.inline_retry = True
+                again.append(pending)
+        self.submitter.resubmit(again)
+
+    def _restarted(self) -> None:
+        """Redis restarted: resubmit everything in flight, then tell the owner."""
+        self.submitter.resubmit(self.inflight)
+        if self._on_restart_hook is not None:
+            self._on_restart_hook()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: requests sent, shared-cache hits, replies read, claim-checks, reconnects."""
+        return {
+            "sent": self.submitter.sent,
+            "cache_hits": self.submitter.cache_hits,
+            "replies_read": self.reader.replies_read,
+            "duplicate_replies": self.inflight.duplicate_replies,
+            "claims_resolved": self.claims.resolved,
+            "claims_missed": self.claims.missed,
+            "reconnects": self.reader.reconnects,
+            "server_restarts": self.reader.restarts_seen,
+            "inflight": len(self.inflight),
+        }

@@ -1,0 +1,75 @@
+"""The one place where redis-py's exceptions become lmqueue's.
+
+Callers of lmqueue never see a redis-py exception: every path that talks to Redis on a
+caller's behalf (connecting a client, submitting, reading replies, a worker's start-up) goes
+through `redis_boundary`, which turns what Redis or the network said into the error tree of
+`shared.errors`:
+
+    connection refused, reset, timed out, LOADING, READONLY, ...  -> Unavailable
+    OOM command not allowed, BUSY (a script runs too long)         -> Busy
+    NOPERM (an ACL rule)                                           -> Forbidden
+    any other refusal                                              -> Unavailable
+
+Loops that retry while Redis is away (the submitter, the reply reader, the worker) catch
+`REDIS_DOWN`, the single definition of "Redis cannot be reached right now".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .errors import Busy, Forbidden, LMQueueError, Unavailable
+
+__all__ = ["REDIS_DOWN", "REDIS_TROUBLE", "redis_boundary", "translate"]
+
+#: What "Redis cannot be reached right now" looks like: retry on a new connection, later.
+#: (redis-py's BusyLoadingError, a server still loading its data, is a ConnectionError.)
+REDIS_DOWN: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ConnectionError,
+    OSError,
+)
+
+#: Down, or refusing a command for now (NOGROUP after a restart emptied the server): what a
+#: worker's background loops log and outlive.
+REDIS_TROUBLE: tuple[type[BaseException], ...] = (*REDIS_DOWN, ResponseError)
+
+#: Everything `redis_boundary` translates.
+_TRANSLATED: tuple[type[BaseException], ...] = (RedisError, *REDIS_DOWN)
+
+#: Refusals that mean "this server cannot take writes or answer right now", not "never".
+_TRANSIENT_REFUSALS = ("LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def translate(error: BaseException, what: str) -> LMQueueError:
+    """The lmqueue error for a redis-py or socket `error` raised while doing `what`."""
+    if isinstance(error, LMQueueError):
+        return error
+    text = str(error)
+    if isinstance(error, NoPermissionError) or text.startswith("NOPERM"):
+        return Forbidden(f"{what}: Redis refused this user: {text}")
+    if isinstance(error, ResponseError) and text.startswith(("OOM", "BUSY ")):
+        return Busy(f"{what}: Redis is overloaded: {text}")
+    if isinstance(error, ResponseError) and not text.startswith(_TRANSIENT_REFUSALS):
+        return Unavailable(f"{what}: Redis refused: {text}")
+    return Unavailable(f"{what}: Redis cannot be reached ({type(error).__name__}: {text})")
+
+
+@contextlib.contextmanager
+def redis_boundary(what: str) -> Iterator[None]:
+    """Re-raise any redis-py or socket error inside the block as `translate` says.
+
+    Works around ``await`` too: ``with redis_boundary("connecting"): await ...``.
+    """
+    try:
+        yield
+    except LMQueueError:
+        raise
+    except _TRANSLATED as exc:
+        raise translate(exc, what) from exc

@@ -1,0 +1,74 @@
+"""Backend options: one definition, one `from_name` shape, refusals instead of silence."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from shared.errors import SettingsError
+from shared.settings import WorkerSettings
+from workers.backend_loader import backend_class, backend_options, load_backend
+from workers.backends.hf import AsyncTransformer
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = ("mock", "hf", "vllm", "sgl")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_backend_loads_through_one_from_name_shape(name):
+    cls = backend_class(name)
+    params = list(inspect.signature(cls.from_name).parameters.values())
+    assert [p.name for p in params] == ["model", "engine_opts", "options"]
+    assert params[1].kind is inspect.Parameter.KEYWORD_ONLY and params[1].default is None
+    assert params[2].kind is inspect.Parameter.VAR_KEYWORD
+    constructor = set(inspect.signature(cls.__init__).parameters)
+    popped_by_from_name = {"device", "bitsandbytes_opts"}
+    assert cls.OPTIONS <= constructor | popped_by_from_name, "an option nothing accepts"
+
+
+def test_the_hf_backend_batches_by_the_workers_defaults():
+    worker = WorkerSettings(model="m")
+    defaults = inspect.signature(AsyncTransformer.__init__).parameters
+    assert defaults["batch_size"].default == worker.batch_size
+    assert defaults["max_batch_tokens"].default == worker.max_batch_tokens
+    assert defaults["timeout"].default == worker.max_wait_ms / 1000
+
+
+def test_worker_settings_become_options_only_for_backends_that_honour_them():
+    hf = WorkerSettings(model="m", backend="hf", batch_size=7, device="cpu")
+    options = backend_options(hf, AsyncTransformer.OPTIONS)
+    assert options == {"device": "cpu", "batch_size": 7, "max_batch_tokens": 8192,
+                       "timeout": 0.005}  # fmt: skip
+    mock = WorkerSettings(model="m", backend="mock", backend_opts={"batch_delay_s": 0.1})
+    assert backend_options(mock, backend_class("mock").OPTIONS) == {"batch_delay_s": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        (dict(backend="mock", device="cuda:0"), "cannot be placed on a device"),
+        (dict(backend="vllm", device="cuda:1"), "cannot be placed on a device"),
+        (dict(backend="mock", backend_opts={"typo_s": 1}), "does not accept option(s) typo_s"),
+        (dict(backend="mock", backend_opts={"engine_opts": {"x": 1}}), "has no engine"),
+        (dict(backend="vllm", backend_opts={"batch_delay_s": 1}), "batch_delay_s"),
+        (dict(backend="sgl", device="tpu"), "expected cuda:N"),
+    ],
+)
+def test_options_a_backend_cannot_honour_are_refused_before_loading(settings, says):
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        load_backend(WorkerSettings(model="smollm2-135m", **settings))
+
+
+def test_the_environment_is_read_only_by_shared_settings():
+    """A guard: configuration has one path (``from_env``); nothing else looks at os.environ."""
+    readers = []
+    for package in ("shared", "producer", "workers", "lmqueue"):
+        for path in (ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            if re.search(r"os\.environ\b|os\.getenv\b|getenv\(", text):
+                readers.append(str(path.relative_to(ROOT)))
+    # the child-process launcher passes the environment on to workers; it reads no setting
+    assert sorted(readers) == ["lmqueue/worker_processes.py", "shared/settings.py"]

@@ -91,3 +91,20 @@ def test_distinct_prompts_never_repeat_within_a_run() -> None:
     prompts = {tuple(distinct_prompt(i, salt=5)) for i in range(100_000)}
     assert len(prompts) == 100_000
     assert max(max(p) for p in prompts) <= 32_768
+
+
+@pytest.mark.slow
+def test_programs_benchmark_runs_both_sides_in_separate_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("genlm.backend")
+    flags = "--programs 1 --steps 2 --particles 2"
+    assert bench_main(["programs", *flags.split(), "--out-dir", str(tmp_path)]) == 0
+    result = _result(tmp_path, "programs")
+    for side in ("genlm", "lmqueue"):
+        figures = result["figures"][f"k1.{side}"]
+        assert figures["calls"] > 0 and figures["calls_per_s"] > 0
+        assert figures["peak_rss_bytes"] > 100 * 2**20  # a model (or a worker's) is in it
+        assert len(figures["per_program"]) == 1
+    assert set(result["ratios"]) == {"k1_calls_per_s", "k1_memory"}
+    assert _last_line(capsys.readouterr().out).startswith("programs ratio lmqueue/genlm: K=1")

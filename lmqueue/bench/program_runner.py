@@ -1,0 +1,95 @@
+"""One SMC program in a process of its own, for ``lmq bench programs``.
+
+``python -m lmqueue.bench.program_runner --side genlm|lmqueue --variant I ...`` loads what its
+side needs (genlm: a full model copy in this process; lmqueue: a `QueueLM` client of the
+worker at ``--redis-url``), prints ``ready``, waits for a line on stdin, runs the workload of
+`lmqueue.bench.workload` on its own prompt variant, and prints one JSON line: its calls, the
+seconds they took and the process's peak RSS (VmHWM, loading included: the memory the program
+really holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .memory_bounds import vm_hwm
+from .workload import Workload, bench_prompt
+
+__all__ = ["main"]
+
+
+async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
+    from genlm.backend.llm import AsyncTransformer as GenlmTransformer
+
+    from shared.lm.vocab import decode_vocab
+    from workers.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    lm = GenlmTransformer(load_causal_lm(args.model), tokenizer)
+    workload = _workload(args, tokenizer, decode_vocab(tokenizer)[0])
+    lm.cache_kv(workload.prompt)
+    return await _timed(workload, lm)
+
+
+async def _lmqueue(args: argparse.Namespace) -> dict[str, Any]:
+    from producer import QueueLM
+
+    async with await QueueLM.connect(args.model, redis_url=args.redis_url) as lm:
+        workload = _workload(args, lm.tokenizer, [bytes(t) for t in lm.byte_vocab])
+        await lm.next_token_logprobs(workload.prompt)  # what cache_kv gives the other side
+        figures = await _timed(workload, lm)
+        figures["client_stats"] = lm.stats
+        return figures
+
+
+def _workload(args: argparse.Namespace, tokenizer: Any, byte_vocab: Sequence[bytes]) -> Workload:
+    """This program's workload: its own prompt variant (no prefix shared with the others)."""
+    workload = Workload.for_tokenizer(
+        tokenizer, byte_vocab, args.prompt_tokens, particles=args.particles, steps=args.steps,
+        seed=args.seed + args.variant,
+    )  # fmt: skip
+    prompt = bench_prompt(tokenizer, args.prompt_tokens, variant=args.variant)
+    return dataclasses.replace(workload, prompt=prompt)
+
+
+async def _timed(workload: Workload, lm: Any) -> dict[str, Any]:
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.readline)
+    started = time.monotonic()
+    result = await workload.run(lm)
+    return {"calls": result.calls, "elapsed_s": time.monotonic() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one program; the last line printed is its JSON figures."""
+    parser = argparse.ArgumentParser(prog="program_runner")
+    parser.add_argument("--side", choices=["genlm", "lmqueue"], required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--redis-url")
+    parser.add_argument("--variant", type=int, default=1)
+    parser.add_argument("--particles", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
+    run = _genlm if args.side == "genlm" else _lmqueue
+    figures = asyncio.run(run(args))
+    figures["peak_rss_bytes"] = vm_hwm(os.getpid())
+    print(json.dumps(figures), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,8 +5,10 @@
 One run times `batch_weight_sum` and `batch_weight_max` of lmqueue's
 `ParallelTokenCharacterTrie` (CPU) and of genlm-backend's `TokenCharacterTrie` (numba, one row
 at a time) and `ParallelTokenCharacterTrie` (torch sparse matmul / scatter, float32), over the
-same batch of SmolLM2 next-token distributions. Calls are interleaved round-robin so a busy
-machine slows every contender alike; each figure is the median after warm-up. genlm's torch
+same batch of SmolLM2 next-token distributions: the model's own, computed at the start of the
+run by one forward over the benchmark text (each row is the distribution after one of its
+prefixes), so the mass sits on few tokens as in real use. Calls are interleaved round-robin so
+a busy machine slows every contender alike; each figure is the median after warm-up. genlm's torch
 trie is timed with torch's default thread count and with one thread, and the faster counts.
 
 Results are compared node by node (matched by prefix and token) with genlm's float64
@@ -63,8 +65,9 @@ def run(
 
     from workers.models import load_tokenizer
 
-    tries = _build(decode_vocab(load_tokenizer(model))[0])
-    p = _distributions(batch, len(tries.ours.decode), seed)
+    tokenizer = load_tokenizer(model)
+    tries = _build(decode_vocab(tokenizer)[0])
+    p = _model_distributions(model, tokenizer, batch, len(tries.ours.decode), seed)
     results: dict[str, Any] = {
         "config": {
             "batch": batch,
@@ -158,13 +161,28 @@ def direct_masses(layout: TrieLayout, weights: np.ndarray, op: str) -> np.ndarra
     return out
 
 
-def _distributions(batch: int, vocab_size: int, seed: int) -> np.ndarray:
-    """Model-like next-token distributions: softmax of heavy-tailed random logits."""
-    rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((batch, vocab_size)) * 3.0
-    logits -= logits.max(axis=1, keepdims=True)
-    p = np.exp(logits)
-    return p / p.sum(axis=1, keepdims=True)
+def _model_distributions(
+    model: str, tokenizer: Any, batch: int, vocab_size: int, seed: int
+) -> np.ndarray:
+    """`batch` next-token distributions of `model` (float64), after prefixes of the bench text.
+
+    One forward over the text yields the distribution after every prefix; `batch` of those
+    positions are drawn with `seed` (with repeats only if the text is shorter than `batch`).
+    Output rows past the tokenizer's vocabulary (a padded head) are dropped and the rest
+    renormalized.
+    """
+    import torch
+
+    from workers.models import load_causal_lm
+
+    from .workload import PROMPT_TEXT
+
+    ids = list(tokenizer.encode(PROMPT_TEXT, add_special_tokens=False))
+    positions = np.random.default_rng(seed).choice(len(ids), size=batch, replace=batch > len(ids))
+    with torch.no_grad():
+        logits = load_causal_lm(model)(torch.tensor([ids])).logits[0, np.sort(positions)]
+    logits = logits[:, :vocab_size].to(torch.float64)
+    return torch.softmax(logits, dim=-1).numpy()
 
 
 def _time_round_robin(

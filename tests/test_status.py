@@ -1,0 +1,150 @@
+"""`lmq status` against a real redis-server holding a known backlog."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from lmqueue import status as status_command
+from lmqueue.local_redis import LocalRedis
+from producer.admission import Admission
+from shared.keys import KeySpace
+from shared.settings import RedisSettings, WorkerSettings
+from shared.wire import Request, encode_request, ids_to_bytes
+from shared.worker_stats import WorkerStats, read_worker_stats, write_worker_stats
+from workers.backends.mock import MockAsyncLM
+from workers.request_stream import RequestStream
+from workers.worker import Worker
+
+MODEL = "mock"
+KEYS = KeySpace()
+
+
+@pytest.fixture(scope="module")
+def cache_server() -> Iterator[LocalRedis]:
+    """A cache-role redis-server of its own (LRU, bounded)."""
+    with LocalRedis(maxmemory="64mb", policy="allkeys-lru") as server:
+        yield server
+
+
+async def enqueue(aredis, keys: KeySpace, count: int, client: str = "c1") -> None:
+    """Enqueue `count` requests the way clients do (the admission script)."""
+    admission = Admission(aredis, keys.requests(MODEL), max_backlog=0)
+    requests = [Request(f"{client}:{n}", client, ids_to_bytes([5, n])) for n in range(count)]
+    await admission.enqueue([encode_request(r)["m"] for r in requests])
+
+
+@pytest.fixture
+async def fleet(aredis, redis_url, smol_tokenizer):
+    """A published model with: 2 dead letters, 7 queued for `default` (3 of them taken by a
+    worker), 2 queued for `bob`, one live worker with stats, and a cache with 1 hit, 1 miss."""
+    settings = WorkerSettings(
+        model=MODEL, backend="mock", redis=RedisSettings(url=redis_url), name="w1"
+    )
+    worker = Worker(settings, MockAsyncLM(smol_tokenizer), aredis)
+    await worker.publish()
+    for _ in range(2):
+        await aredis.xadd(KEYS.requests(MODEL), {"m": b"not msgpack"})
+    await worker.run_until_idle()
+    await enqueue(aredis, KEYS, 7)
+    await RequestStream(aredis, KEYS.requests(MODEL), "w1").read_new(3, None)
+    await enqueue(aredis, KeySpace(tenant="bob"), 2, client="b1")
+    stats = WorkerStats(
+        MODEL, "mock", "mock-v1", ("default", "bob"), batch_size=32, batches_total=12,
+        requests_total=40, batches_per_s=1.5, requests_per_s=6.0, shared_cache_hits=3,
+        shared_cache_misses=1,
+    )  # fmt: skip
+    await write_worker_stats(aredis, KEYS, "w1", stats, ttl_s=30)
+    return stats
+
+
+@pytest.fixture
+async def cache_redis(cache_server):
+    client = aioredis.Redis.from_url(cache_server.url)
+    await client.flushall()
+    await client.config_resetstat()
+    await client.set("lmq:default:cache:k", b"v")
+    assert await client.get("lmq:default:cache:k") == b"v"
+    assert await client.get("lmq:default:cache:gone") is None
+    yield client
+    await client.aclose()
+
+
+async def test_status_reports_backlog_pending_age_dead_letters_workers_and_cache(
+    aredis, fleet, cache_redis
+) -> None:
+    status = await status_command.collect_status(
+        aredis, KEYS, cache_redis, tenants=["default", "bob"]
+    )
+    model = status["models"][MODEL]
+    assert model["backlog"] == 9
+    default, bob = model["tenants"]["default"], model["tenants"]["bob"]
+    assert (default["backlog"], default["pending"], default["undelivered"]) == (7, 3, 4)
+    assert default["dead_letters"] == 2
+    assert (bob["backlog"], bob["pending"], bob["undelivered"], bob["dead_letters"]) == (2, 0, 2, 0)
+    first_id = (await aredis.xrange(KEYS.requests(MODEL), count=1))[0][0].decode()
+    expected_age_s = (status["time_ms"] - int(first_id.split("-")[0])) / 1000
+    assert default["oldest_age_s"] == pytest.approx(expected_age_s) and 0 <= expected_age_s < 10
+    worker = model["workers"]["w1"]
+    assert 0 <= worker["heartbeat_age_s"] < 10
+    assert worker["tenants"] == ["default", "bob"] and worker["backend"] == "mock"
+    assert (worker["batches_per_s"], worker["requests_total"]) == (1.5, 40)
+    assert worker["shared_cache_hit_rate"] == 0.75
+    cache = status["cache"]
+    assert cache["maxmemory_policy"] == "allkeys-lru" and cache["maxmemory_bytes"] == 64 << 20
+    assert (cache["keyspace_hits"], cache["keyspace_misses"], cache["hit_rate"]) == (1, 1, 0.5)
+    assert status["queue"]["maxmemory_policy"] == "noeviction"
+
+
+async def test_a_model_nobody_asked_for_shows_zeros_and_no_age(aredis, redis_url) -> None:
+    await aredis.sadd(KEYS.models(), "idle")
+    status = await status_command.collect_status(aredis, KEYS)
+    idle = status["models"]["idle"]
+    assert idle["tenants"]["default"] == {
+        "backlog": 0, "pending": 0, "undelivered": 0, "oldest_age_s": None, "dead_letters": 0,
+    }  # fmt: skip
+    assert idle["workers"] == {}
+    # no cache role of its own: the queue instance is reported as the cache
+    assert status["cache"]["maxmemory_policy"] == status["queue"]["maxmemory_policy"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    status_command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+async def test_the_command_prints_json_and_text(redis_url, fleet, cache_server, capsys) -> None:
+    argv = ["--redis-url", redis_url, "--cache-url", cache_server.url, "--tenant", "default"]
+    # run() owns its event loop, as under `lmq`: give it a thread of its own
+    assert await asyncio.to_thread(status_command.run, parse([*argv, "--json"])) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["models"][MODEL]["tenants"]["default"]["backlog"] == 7
+    assert printed["cache"]["maxmemory_policy"] == "allkeys-lru"
+    assert await asyncio.to_thread(status_command.run, parse(argv)) == 0
+    text = capsys.readouterr().out
+    assert f"model {MODEL}: backlog 7" in text
+    assert "w1" in text and "cache redis:" in text and "allkeys-lru" in text
+
+
+def test_an_unreachable_redis_is_one_line_and_exit_code_1(capsys) -> None:
+    from lmqueue.local_redis import free_port
+
+    code = status_command.run(parse(["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lmq status: ") and err.count("\n") == 1
+
+
+async def test_worker_stats_round_trip_and_expire(aredis, redis_url) -> None:
+    stats = WorkerStats(MODEL, "hf", "rev", ("a", "b"), 8, 1, 2, 3, 4, 0.5, 2.0, 5, 6)
+    await write_worker_stats(aredis, KEYS, "w9", stats, ttl_s=7)
+    assert await read_worker_stats(aredis, KEYS, MODEL, ["w9", "absent"]) == {"w9": stats}
+    assert 0 < await aredis.ttl(KEYS.worker_stats(MODEL, "w9")) <= 7
+    await aredis.hset(KEYS.worker_stats(MODEL, "w9"), "batches_total", "many")
+    assert await read_worker_stats(aredis, KEYS, MODEL, ["w9"]) == {}

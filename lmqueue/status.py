@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--watch", action="store_true", help="refresh until interrupted")
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0,
+        help="serve the status as Prometheus metrics on this port until stopped (an exporter "
+        "for alerts and dashboards that runs while no worker does)",
+    )  # fmt: skip
 
 
 async def collect_status(
@@ -187,6 +193,9 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
     if settings.cache_url and settings.cache_url != settings.url:
         cache = aioredis.Redis.from_url(settings.cache_url)
     try:
+        if args.metrics_port:
+            await _export(args, settings, redis, cache)
+            return
         while True:
             status = await collect_status(
                 redis, settings.keyspace(), cache, args.tenant, args.model
@@ -202,6 +211,21 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
         await redis.aclose()
         if cache is not None:
             await cache.aclose()
+
+
+async def _export(
+    args: argparse.Namespace, settings: RedisSettings, redis: Any, cache: Any
+) -> None:
+    from .status_metrics import serve_status_metrics
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_status_metrics(
+        redis, settings.keyspace(), cache, args.tenant, args.model, args.metrics_port,
+        args.interval, stop,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmqueue import status as status_command
 from lmqueue.local_redis import LocalRedis
@@ -113,6 +117,19 @@ async def test_a_model_nobody_asked_for_shows_zeros_and_no_age(aredis, redis_url
     assert status["cache"]["maxmemory_policy"] == status["queue"]["maxmemory_policy"]
 
 
+async def fetch(url: str) -> tuple[int, str, bytes]:
+    """Status, content type and body of one real HTTP GET."""
+
+    def get() -> tuple[int, str, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status, response.headers["Content-Type"], response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers["Content-Type"], error.read()
+
+    return await asyncio.to_thread(get)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     status_command.add_arguments(parser)
@@ -148,3 +165,46 @@ async def test_worker_stats_round_trip_and_expire(aredis, redis_url) -> None:
     assert 0 < await aredis.ttl(KEYS.worker_stats(MODEL, "w9")) <= 7
     await aredis.hset(KEYS.worker_stats(MODEL, "w9"), "batches_total", "many")
     assert await read_worker_stats(aredis, KEYS, MODEL, ["w9"]) == {}
+
+
+async def test_the_exporter_serves_the_status_as_metrics(aredis, fleet, cache_redis) -> None:
+    from lmqueue.local_redis import free_port
+    from lmqueue.status_metrics import serve_status_metrics
+
+    await aredis.zadd(KEYS.model_workers(MODEL), {"crashed": 1})  # a heartbeat from 1970
+    port, stop = free_port(), asyncio.Event()
+    exporter = asyncio.create_task(
+        serve_status_metrics(aredis, KEYS, cache_redis, ["default", "bob"], None, port, 0.1, stop)
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                if (await fetch(f"{base}/readyz"))[0] == 200:
+                    break
+            await asyncio.sleep(0.05)
+        status, _, body = await fetch(f"{base}/metrics")
+        assert (await fetch(f"{base}/healthz"))[0] == 200
+    finally:
+        stop.set()
+        await exporter
+    assert status == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+    def at(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert at("lmq_backlog_requests", model=MODEL, tenant="default") == 7
+    assert at("lmq_pending_requests", model=MODEL, tenant="default") == 3
+    assert at("lmq_backlog_requests", model=MODEL, tenant="bob") == 2
+    assert at("lmq_dead_letter_entries", model=MODEL, tenant="default") == 2
+    assert 0 <= at("lmq_oldest_request_age_seconds", model=MODEL, tenant="default") < 10
+    assert at("lmq_workers", model=MODEL, kind="live") == 1
+    assert at("lmq_workers", model=MODEL, kind="stale") == 1
+    assert at("lmq_redis_maxmemory_bytes", kind="cache") == 64 << 20
+    assert at("lmq_redis_keyspace_hits_total", kind="cache") == 1
+    assert at("lmq_status_refresh_timestamp_seconds") > 1.7e9

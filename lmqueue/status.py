@@ -15,16 +15,16 @@ import asyncio
 import dataclasses
 import json
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from shared.keys import WORKER_GROUP, KeySpace
-from shared.settings import RedisSettings, SettingsError
+from shared.redis_errors import redis_boundary
+from shared.settings import RedisSettings
 from shared.worker_stats import read_worker_stats
 
 __all__ = ["add_arguments", "run", "collect_status", "render_text"]
@@ -229,16 +229,19 @@ async def _export(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the status (once, or until interrupted with --watch); returns the exit code."""
+    """Print the status (once, or until interrupted with --watch); returns the exit code.
+
+    Raises:
+        Unavailable, Forbidden: if Redis cannot be reached or refuses (the CLI reports it).
+    """
+    settings = RedisSettings.from_env()
+    if args.redis_url:
+        settings = dataclasses.replace(settings, url=args.redis_url)
+    if args.cache_url:
+        settings = dataclasses.replace(settings, cache_url=args.cache_url)
     try:
-        overrides = {"cache_url": args.cache_url} if args.cache_url else {}
-        settings = dataclasses.replace(RedisSettings.from_env(), **overrides)
-        if args.redis_url:
-            settings = dataclasses.replace(settings, url=args.redis_url)
-        asyncio.run(_show(args, settings))
-    except KeyboardInterrupt:
+        with redis_boundary("lmq status"):
+            asyncio.run(_show(args, settings))
+    except KeyboardInterrupt:  # how --watch and the exporter are left
         return 0
-    except (SettingsError, RedisError, OSError) as exc:
-        print(f"lmq status: {exc}", file=sys.stderr)
-        return 1
     return 0

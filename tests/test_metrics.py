@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.vocab import decode_vocab
+from shared.lm.vocab import decode_vocab
 from workers.backends.hf import AsyncTransformer
 from workers.metrics import WorkerMetrics, entry_enqueued_s
 

@@ -150,12 +150,13 @@ async def test_the_command_prints_json_and_text(redis_url, fleet, cache_server, 
 
 
 def test_an_unreachable_redis_is_one_line_and_exit_code_1(capsys) -> None:
+    from lmqueue.cli import main
     from lmqueue.local_redis import free_port
 
-    code = status_command.run(parse(["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]))
+    code = main(["status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
     assert code == 1
     err = capsys.readouterr().err
-    assert err.startswith("lmq status: ") and err.count("\n") == 1
+    assert err.startswith("lmq status: Unavailable: ") and err.count("\n") == 1
 
 
 async def test_worker_stats_round_trip_and_expire(aredis, redis_url) -> None:

@@ -8,7 +8,8 @@ prompts never become labels.
     lmq_requests_total{model,tenant,outcome}        requests answered (one reply each)
     lmq_dead_letters_total{model,tenant}            entries moved to the dead-letter stream
     lmq_batch_requests{model}                       histogram: entries per batch read
-    lmq_batch_tokens{model}                         histogram: prompt tokens per batch read
+    lmq_batch_tokens{model}                         histogram: prompt tokens of a batch's admitted
+                                                    requests (refused ones cost no compute)
     lmq_forward_seconds{model}                      histogram: a batch's compute (backend) time
     lmq_queue_wait_seconds{model,tenant}            histogram: enqueue -> start of compute
     lmq_e2e_request_seconds{model,tenant}           histogram: enqueue -> reply written
@@ -83,7 +84,7 @@ class WorkerMetrics:
             ["model"], buckets=_SIZE_BUCKETS, registry=reg,
         )  # fmt: skip
         self._batch_tokens = Histogram(
-            "lmq_batch_tokens", "Prompt tokens per batch read.",
+            "lmq_batch_tokens", "Prompt tokens of the admitted requests of a batch.",
             ["model"], buckets=_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
         self._forward = Histogram(
@@ -121,7 +122,7 @@ class WorkerMetrics:
 
     # -- what the worker calls ---------------------------------------------------------------
     def observe_batch(self, requests: int, tokens: int) -> None:
-        """A batch of `requests` entries holding `tokens` prompt tokens was read."""
+        """A batch of `requests` entries was read; its admitted prompts hold `tokens` tokens."""
         self._batch_requests.labels(self.model).observe(requests)
         self._batch_tokens.labels(self.model).observe(tokens)
         self.batches_total += 1

@@ -9,9 +9,11 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmqueue import status as status_command
@@ -209,3 +211,42 @@ async def test_the_exporter_serves_the_status_as_metrics(aredis, fleet, cache_re
     assert at("lmq_redis_maxmemory_bytes", kind="cache") == 64 << 20
     assert at("lmq_redis_keyspace_hits_total", kind="cache") == 1
     assert at("lmq_status_refresh_timestamp_seconds") > 1.7e9
+
+
+def documented_acl(user: str) -> list[str]:
+    """The ``ACL SETUSER <user> ...`` line docs/OPERATIONS.md gives, as arguments."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "OPERATIONS.md").read_text()
+    (line,) = [ln for ln in doc.splitlines() if ln.startswith(f"ACL SETUSER {user} ")]
+    return line.replace(">PASSWORD", ">pw").split()[2:]
+
+
+async def test_status_runs_as_the_documented_read_only_ops_user(aredis, redis_url, fleet) -> None:
+    await aredis.execute_command("ACL", "SETUSER", "lmq-ops", *documented_acl("lmq-ops")[1:])
+    port = redis_url.rsplit(":", 1)[1]
+    ops = aioredis.Redis.from_url(f"redis://lmq-ops:pw@127.0.0.1:{port}")
+    try:
+        status = await status_command.collect_status(ops, KEYS)
+        assert status["models"][MODEL]["tenants"]["default"]["backlog"] == 7
+        assert status["models"][MODEL]["workers"]["w1"]["requests_total"] == 40
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await ops.xadd(KEYS.requests(MODEL), {"m": b"x"})
+    finally:
+        await ops.aclose()
+        await aredis.execute_command("ACL", "DELUSER", "lmq-ops")
+
+
+async def test_the_documented_keda_user_reads_only_stream_lengths(aredis, redis_url) -> None:
+    await aredis.execute_command("ACL", "SETUSER", "lmq-keda", *documented_acl("lmq-keda")[1:])
+    await aredis.xadd(KEYS.requests(MODEL), {"m": b"x"})
+    port = redis_url.rsplit(":", 1)[1]
+    keda = aioredis.Redis.from_url(f"redis://lmq-keda:pw@127.0.0.1:{port}")
+    try:
+        assert await keda.ping()
+        assert await keda.xlen(KEYS.requests(MODEL)) == 1
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await keda.xrange(KEYS.requests(MODEL))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await keda.xlen(KEYS.replies("c1"))
+    finally:
+        await keda.aclose()
+        await aredis.execute_command("ACL", "DELUSER", "lmq-keda")

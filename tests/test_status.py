@@ -250,3 +250,28 @@ async def test_the_documented_keda_user_reads_only_stream_lengths(aredis, redis_
     finally:
         await keda.aclose()
         await aredis.execute_command("ACL", "DELUSER", "lmq-keda")
+
+
+def test_watch_refreshes_until_interrupted(redis_url) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMQ_")}
+    command = [sys.executable, "-m", "lmqueue", "status", "--watch", "--interval", "0.1",
+               "--redis-url", redis_url]  # fmt: skip
+    lines: list[str] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, env=env) as watcher:
+        try:
+            assert watcher.stdout is not None
+            deadline = time.monotonic() + 60
+            while sum("queue redis:" in line for line in lines) < 3:
+                assert time.monotonic() < deadline and watcher.poll() is None, lines
+                lines.append(watcher.stdout.readline().decode())
+            watcher.send_signal(signal.SIGINT)
+            assert watcher.wait(30) == 0
+        finally:
+            watcher.kill()
+    assert "\x1b[2J" in "".join(lines)  # each refresh clears the screen

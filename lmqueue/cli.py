@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
     from workers.main import build_parser as worker_parser
 
-    from . import demo
+    from . import demo, status
 
     parser = argparse.ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", default="smollm2-135m")
     submit.add_argument("--redis-url", default=None, help="default: $LMQ_REDIS_URL")
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
+    status.add_arguments(
+        commands.add_parser("status", help="backlog, workers and caches, read from Redis")
+    )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
     return parser
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "submit":
             return _submit(args)
+        if args.command == "status":
+            from . import status
+
+            return status.run(args)
         from . import demo
 
         return demo.run(args)

@@ -10,6 +10,8 @@ served to everyone (its registry entry, tokenizer, vocabulary, live workers) car
     lmq:model:<model>:tokenizer                   the tokenizer's JSON (tokenizers library)
     lmq:model:<model>:vocab                       msgpack list of every token's bytes
     lmq:model:<model>:workers                     zset: worker name -> last heartbeat (ms)
+    lmq:model:<model>:worker:<worker>             hash: one worker's stats for `lmq status`
+                                                  (shared/worker_stats.py; expires)
     lmq:<tenant>:model:<model>:requests           request stream (consumer group "workers")
     lmq:<tenant>:model:<model>:dead               dead-letter stream
     lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
@@ -86,6 +88,10 @@ class KeySpace:
     def model_workers(self, model: str) -> str:
         """The zset of live workers of the model, scored by last heartbeat (ms)."""
         return f"{self.prefix}:model:{model}:workers"
+
+    def worker_stats(self, model: str, worker: str) -> str:
+        """The hash of one worker's recent figures (what it serves, batches/s), for operators."""
+        return f"{self.prefix}:model:{model}:worker:{worker}"
 
     # -- per tenant ----------------------------------------------------------------------------
     def requests(self, model: str) -> str:

@@ -158,6 +158,8 @@ class WorkerSettings:
     #: own moving threshold: faster on CPU, but RSS creeps past the memory bounds).
     malloc_mmap_threshold: int = 128 << 10
     log_level: str = "INFO"
+    #: Port of /metrics, /healthz and /readyz (0: no server).
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -182,6 +184,8 @@ class WorkerSettings:
             "max_dead_letters",
             "malloc_mmap_threshold",
         )
+        if not 0 <= self.metrics_port <= 65535:
+            raise SettingsError(f"metrics_port={self.metrics_port!r}: expected 0 to 65535")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

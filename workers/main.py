@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import json
 import logging
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +26,9 @@ from shared.redis_errors import redis_boundary
 from shared.settings import RedisSettings, WorkerSettings
 
 from .backend_loader import load_backend
-from .worker import Worker
+from .health import HealthServer, HealthState
+from .metrics import WorkerMetrics
+from .worker import Worker, health_state
 
 __all__ = ["main", "build_parser", "run_worker"]
 
@@ -47,6 +50,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", help="torch device for hf, e.g. cuda:0 (LMQ_DEVICE)")
     parser.add_argument("--backend-opts", help="JSON object of backend options (LMQ_BACKEND_OPTS)")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (LMQ_LOG_LEVEL)")
+    parser.add_argument(
+        "--metrics-port", type=int,
+        help="serve /metrics, /healthz and /readyz on this port (LMQ_METRICS_PORT; 0: off)",
+    )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of failures")
     return parser
 
@@ -61,7 +68,9 @@ def settings_from_args(
     if args.cache_url:
         redis = replace(redis, cache_url=args.cache_url)
     overrides: dict[str, Any] = {"redis": redis}
-    for name in ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level"):
+    names = ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level",
+             "metrics_port")  # fmt: skip
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -81,6 +90,26 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    metrics, health = WorkerMetrics(settings.model), health_state(settings)
+    async with _probes(settings, metrics, health):  # answering while the model loads
+        await _serve(settings, stop, metrics, health)
+
+
+@contextlib.asynccontextmanager
+async def _probes(
+    settings: WorkerSettings, metrics: WorkerMetrics, health: HealthState
+) -> AsyncIterator[None]:
+    """The metrics and probe server on `settings.metrics_port`, if one is set."""
+    if not settings.metrics_port:
+        yield
+        return
+    async with HealthServer(health, metrics.registry, port=settings.metrics_port):
+        yield
+
+
+async def _serve(
+    settings: WorkerSettings, stop: asyncio.Event, metrics: WorkerMetrics, health: HealthState
+) -> None:
     logger.info("loading %s backend for %s", settings.backend, settings.model)
     backend = await asyncio.to_thread(load_backend, settings)
     redis = async_redis(settings.redis.url, settings.redis.connect_timeout_s)
@@ -89,7 +118,10 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None
         cache_redis = async_redis(settings.redis.cache_url, settings.redis.connect_timeout_s)
     try:
         with redis_boundary(f"worker {settings.name}"):
-            worker = Worker(settings, backend, redis, cache_redis, masses=_masses(backend))
+            worker = Worker(
+                settings, backend, redis, cache_redis, masses=_masses(backend), metrics=metrics,
+                health=health,
+            )  # fmt: skip
             await worker.serve(stop)
     finally:
         await backend.aclose()

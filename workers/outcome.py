@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,22 +43,28 @@ class Outcome:
     acks: list[str] = field(default_factory=list)
     dead: list[tuple[Entry, str]] = field(default_factory=list)
     claimable: list[Claimable] = field(default_factory=list)
+    #: Replies by outcome, for metrics: ``ok`` or the error's class name as sent on the wire.
+    outcomes: Counter[str] = field(default_factory=Counter)
 
     def result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
     ) -> None:
         """Add a result reply."""
         self.replies.append((client_id, encode_result(request_id, payload, dtype, cached)))
+        self.outcomes["ok"] += 1
 
     def claimable_result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, key: str
     ) -> None:
         """Add a freshly computed result whose payload is also being written under `key`."""
         self.claimable.append(Claimable(client_id, request_id, payload, dtype, key))
+        self.outcomes["ok"] += 1
 
     def error(self, client_id: str, request_id: str, error: BaseException) -> None:
         """Add an error reply."""
         self.replies.append((client_id, encode_error(request_id, error)))
+        wire_type = type(error).__name__ if isinstance(error, LMQueueError) else "ModelError"
+        self.outcomes[wire_type] += 1
 
     def dead_letter(self, entry: Entry, error: LMQueueError) -> None:
         """Park an entry nobody can be told about, with the reason."""
@@ -70,3 +77,4 @@ class Outcome:
         self.acks.extend(other.acks)
         self.dead.extend(other.dead)
         self.claimable.extend(other.claimable)
+        self.outcomes.update(other.outcomes)

@@ -41,6 +41,7 @@ from shared.lm.validation import check_prompt
 from shared.shared_cache import SharedCache
 from shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
+from .metrics import WorkerMetrics
 from .outcome import Outcome, Payload
 from .request_stream import Entry
 
@@ -137,12 +138,14 @@ class BatchProcessor:
         max_prompt_tokens: int = 0,
         max_request_bytes: int = 1 << 20,
         masses: MassComputer | None = None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.backend = backend
         self.cache = cache
         self.max_prompt_tokens = max_prompt_tokens or backend.max_prompt_tokens
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses
+        self.metrics = metrics
         self.gate = ForwardGate()
         #: Client ids already validated (a regex per entry otherwise); cleared when full.
         self._valid_clients: set[str] = set()
@@ -154,6 +157,9 @@ class BatchProcessor:
         jobs = [
             job for entry in entries if (job := self._admit(entry, outcome, now_ms)) is not None
         ]
+        if self.metrics is not None:
+            tokens = sum(len(job.request.token_bytes) for job in jobs) // 4  # int32 ids
+            self.metrics.observe_batch(len(entries), tokens)
         if jobs:
             await self._answer(jobs, outcome)
         return outcome
@@ -211,7 +217,10 @@ class BatchProcessor:
             for prompt, dtypes in wanted.items()
             if any((prompt, dtype) not in payloads for dtype in dtypes)
         )
+        started = time.perf_counter()
         computed = await self._compute(missing)
+        if missing and self.metrics is not None:
+            self.metrics.observe_forward(time.perf_counter() - started)
         #: (prompt, dtype) -> the cache key its payload is being written under
         written: dict[tuple[bytes, str], str] = {}
         for prompt in missing:
@@ -256,7 +265,12 @@ class BatchProcessor:
         values = await self.cache.get_many(
             [self.cache.key(dtype, prompt) for prompt, dtype in keys]
         )
-        return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
+        found: dict[tuple[bytes, str], Payload] = {
+            key: value for key, value in zip(keys, values, strict=True) if value is not None
+        }
+        if self.metrics is not None:
+            self.metrics.count_shared_cache(len(found), len(keys) - len(found))
+        return found
 
     async def _reply_masses(
         self, request: Request, logprobs_payload: Payload, cached: bool, outcome: Outcome

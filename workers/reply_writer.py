@@ -30,6 +30,7 @@ from shared.settings import WorkerSettings
 from shared.shared_cache import SharedCache
 from shared.wire import encode_claim, encode_result
 
+from .metrics import WorkerMetrics
 from .outcome import Outcome
 from .request_stream import RequestStream
 
@@ -50,12 +51,14 @@ class ReplyWriter:
         keys: KeySpace,
         settings: WorkerSettings,
         cache: SharedCache | None,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.redis = redis
         self.stream = stream
         self.keys = keys
         self.settings = settings
         self.cache = cache
+        self.metrics = metrics
         self.claims_paused_until = 0.0
 
     async def flush(self, outcome: Outcome, attempts: int = 20) -> None:
@@ -70,6 +73,7 @@ class ReplyWriter:
             try:
                 timeout_s = self.settings.redis.stall_timeout_s
                 await bounded(self._write(outcome), timeout_s, "writing replies")
+                self._observe(outcome)
                 return
             except REDIS_DOWN as exc:
                 logger.warning("writing replies failed (%s); attempt %d", exc, attempt + 1)
@@ -78,13 +82,27 @@ class ReplyWriter:
 
     def _settle_claims(self, outcome: Outcome, stored: Container[str]) -> None:
         """Turn claimable results into replies: claim-checks for keys in `stored`, else inline."""
+        sent = 0
         for item in outcome.claimable:
             if item.key in stored:
                 fields = encode_claim(item.request_id, item.key, item.dtype)
+                sent += 1
             else:
                 fields = encode_result(item.request_id, item.payload, item.dtype)
             outcome.replies.append((item.client_id, fields))
+        if self.metrics is not None:
+            self.metrics.count_claim_checks(sent, len(outcome.claimable) - sent)
         outcome.claimable = []
+
+    def _observe(self, outcome: Outcome) -> None:
+        """Count what was written: replies by outcome, dead letters, times since XADD."""
+        if self.metrics is None:
+            return
+        tenant = self.keys.tenant
+        for name, count in outcome.outcomes.items():
+            self.metrics.count_requests(tenant, name, count)
+        self.metrics.count_dead_letters(tenant, len(outcome.dead))
+        self.metrics.observe_replied(tenant, outcome.acks)
 
     async def _write(self, outcome: Outcome) -> None:
         """One pipeline: cache entries (same instance only), replies, dead letters, acks."""

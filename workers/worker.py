@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
+
+from redis.exceptions import ResponseError
 
 from shared.connections import bounded
 from shared.lm.interface import AsyncLM
@@ -25,8 +28,11 @@ from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
 from shared.shared_cache import SharedCache
+from shared.worker_stats import WorkerStats, write_worker_stats
 
+from .health import HealthState
 from .janitor import Janitor
+from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
@@ -49,6 +55,8 @@ class Worker:
         cache_redis: Any | None = None,
         masses: MassComputer | None = None,
         prefetch: int = 2,
+        metrics: WorkerMetrics | None = None,
+        health: HealthState | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -57,6 +65,9 @@ class Worker:
         self.stream = RequestStream(redis, self.keys.requests(settings.model), settings.name)
         self.registry = ModelRegistry(redis, self.keys)
         self.info = self._model_info()
+        self.metrics = metrics or WorkerMetrics(settings.model)
+        self.metrics.watch_backend(backend)
+        self.health = health or health_state(settings)
         cache = None
         if settings.cache_writes:
             cache = SharedCache(
@@ -64,14 +75,17 @@ class Worker:
                 settings.redis.stall_timeout_s,
             )  # fmt: skip
         self.processor = BatchProcessor(
-            backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses
-        )
-        self.writer = ReplyWriter(redis, self.stream, self.keys, settings, cache)
+            backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses,
+            self.metrics,
+        )  # fmt: skip
+        self.writer = ReplyWriter(redis, self.stream, self.keys, settings, cache, self.metrics)
         self.janitor = Janitor(self.stream, self.keys, settings)
         self.prefetch = prefetch
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self._started_ms = int(time.time() * 1000)
+        self._stats_refused = False
 
     def _model_info(self) -> ModelInfo:
         backend, settings = self.backend, self.settings
@@ -98,7 +112,8 @@ class Worker:
         await self.stream.ensure_group()
         vocab = [bytes(token) for token in self.backend.byte_vocab]
         await self.registry.publish(self.info, self._tokenizer_files, vocab)
-        await self.registry.heartbeat(self.info.name, self.settings.name)
+        await self._beat()
+        self.health.mark_published()
         logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
                     self.settings.name)  # fmt: skip
 
@@ -119,7 +134,11 @@ class Worker:
 
     async def _serve(self, stop: asyncio.Event) -> None:
         await self._retry_until_up(self.publish, stop)
-        background = [asyncio.create_task(self._heartbeat(stop), name="heartbeat")]
+        background = [
+            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._not_ready_once(stop), name="readiness"),
+        ]
+        self.health.mark_serving()
         try:
             await self._retry_until_up(self._drain_own_pending, stop)
             # Only now: the janitor also claims this consumer's idle entries, and two claims of
@@ -127,12 +146,14 @@ class Worker:
             background.append(asyncio.create_task(self._janitor_loop(stop), name="janitor"))
             await self._read_loop(stop)
         finally:
+            self.health.mark_stopping()
             await self._finish_inflight()
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             with contextlib.suppress(*REDIS_DOWN):
                 await self.registry.leave(self.info.name, self.settings.name)
+                await self.redis.delete(self.keys.worker_stats(self.info.name, self.settings.name))
 
     async def run_until_idle(self) -> int:
         """Burst mode for tests and batch jobs: answer everything queued now, then return.
@@ -159,6 +180,7 @@ class Worker:
         """Answer entries delivered before, each alone (see `Janitor`); park exhausted ones."""
         async with contextlib.aclosing(entries):
             async for entry in entries:
+                self.health.tick()
                 parked = await self.janitor.park_if_exhausted(entry)
                 if parked is not None:
                     await self.writer.flush(parked)
@@ -169,6 +191,7 @@ class Worker:
 
     async def _read_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            self.health.tick()
             if len(self._inflight) >= self.prefetch:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
@@ -205,6 +228,7 @@ class Worker:
     # -- answering -------------------------------------------------------------------------------
     async def _handle(self, entries: Sequence[Entry]) -> None:
         """Process one batch and write its outcome; keep its claims fresh meanwhile."""
+        self.metrics.observe_queue_wait(self.keys.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims([e.entry_id for e in entries]))
         try:
             outcome = await self.processor.process(entries)
@@ -242,10 +266,37 @@ class Worker:
                 if not await self.registry.is_published(self.info.name):
                     logger.warning("model registry entry missing (Redis restarted?); re-publishing")
                     await self.publish()
-                await self.registry.heartbeat(self.info.name, self.settings.name)
+                await self._beat()
             except REDIS_DOWN as exc:
                 logger.warning("heartbeat failed: %s", exc)
+                self.health.heartbeat(reached_redis=False)
             await _sleep_unless(stop, self.settings.heartbeat_s)
+
+    async def _beat(self) -> None:
+        """Write the heartbeat and the stats hash (`lmq status`)."""
+        await self.registry.heartbeat(self.info.name, self.settings.name)
+        self.health.heartbeat(reached_redis=True)
+        self.metrics.mark_heartbeat()
+        batches_per_s, requests_per_s = self.metrics.rates()
+        hits, misses = self.metrics.shared_cache_counts()
+        stats = WorkerStats(
+            self.info.name, self.settings.backend, self.info.revision, (self.keys.tenant,),
+            self.settings.batch_size, self._started_ms, int(time.time() * 1000),
+            self.metrics.batches_total, self.metrics.requests_total, batches_per_s,
+            requests_per_s, hits, misses,
+        )  # fmt: skip
+        ttl_s = max(10, int(5 * self.settings.heartbeat_s))
+        try:
+            await write_worker_stats(self.redis, self.keys, self.settings.name, stats, ttl_s)
+        except ResponseError as exc:  # e.g. an ACL without the stats key: lmq status shows less
+            if not self._stats_refused:
+                logger.warning("writing the stats hash failed: %s", exc)
+            self._stats_refused = True
+
+    async def _not_ready_once(self, stop: asyncio.Event) -> None:
+        """Fail readiness the moment the worker is told to stop, not when its loop notices."""
+        await stop.wait()
+        self.health.mark_stopping()
 
     async def _janitor_loop(self, stop: asyncio.Event) -> None:
         """Recover idle entries of dead workers and prune; no failure ends the loop."""
@@ -274,6 +325,15 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await _sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
+
+
+def health_state(settings: WorkerSettings) -> HealthState:
+    """Probe thresholds for a worker: its read loop turns at least every stall timeout plus
+    half a second, its heartbeat loop every `heartbeat_s`; allow several of each."""
+    return HealthState(
+        loop_stale_s=max(60.0, 3 * settings.redis.stall_timeout_s),
+        heartbeat_stale_s=max(30.0, 5 * settings.heartbeat_s),
+    )
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:

@@ -112,6 +112,9 @@ class AsyncTransformer(AsyncLM):
         self.timeout = timeout
         self.max_batch_tokens = max_batch_tokens
         self.stats = ForwardStats()
+        #: Calls answered from the prefix cache's stored results, and calls that were not.
+        self.result_hits = 0
+        self.result_misses = 0
         self._revision = revision
         self._config = model.config.get_text_config()
         self._cache = PrefixCache(max_kv_tokens, cache_size)
@@ -200,7 +203,9 @@ class AsyncTransformer(AsyncLM):
         tokens = self._checked(token_ids)
         cached = self._cache.get(tokens)
         if cached is not None:
+            self.result_hits += 1
             return cached
+        self.result_misses += 1
         # Shielded: a caller that cancels must not cancel the future other callers share.
         return await asyncio.shield(self._enqueue(tokens))
 

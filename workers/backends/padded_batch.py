@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,9 @@ class ForwardStats:
     forwards: int = 0
     rows: int = 0
     new_tokens: int = 0
+    #: Prompt positions whose KV came from the prefix cache instead of being computed.
+    reused_tokens: int = 0
+    forward_s: float = 0.0
     oom_splits: int = 0
 
 
@@ -106,6 +110,7 @@ def run_rows(
     Any other error, or out-of-memory on a single row, becomes the output of exactly the rows
     of that forward: the caller fails their queries and goes on serving.
     """
+    started = time.perf_counter()
     try:
         logprobs, segments = padded_forward(model, rows, keep_kv, forward_kwargs)
     except Exception as exc:
@@ -121,6 +126,8 @@ def run_rows(
     stats.forwards += 1
     stats.rows += len(rows)
     stats.new_tokens += sum(len(row.new_tokens) for row in rows)
+    stats.reused_tokens += sum(row.past_len for row in rows)
+    stats.forward_s += time.perf_counter() - started
     # Each row copied out: a view would keep the whole batch's vectors alive in the cache.
     return [(logprobs[i].clone(), segments[i]) for i in range(len(rows))]
 

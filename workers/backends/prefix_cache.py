@@ -89,6 +89,10 @@ class PrefixCache:
         """KV token positions held now."""
         return self._kv_tokens
 
+    def kv_bytes(self) -> int:
+        """Bytes of the KV segments held now (one pass over the segments)."""
+        return sum(node.kv.nbytes for node in self._kv_lru if node.kv is not None)
+
     @property
     def num_results(self) -> int:
         """Log-probability vectors held now."""

@@ -126,7 +126,13 @@ class ExperimentRun:
     async def _start(self, fields: dict[str, str]) -> ExperimentContext:
         token = secrets.token_hex(8)
         now_ms = int(time.time() * 1000)
-        mapping = {"status": "running", "run_token": token, "started_ms": now_ms, "waiting": ""}
+        mapping = {
+            "status": "running",
+            "run_token": token,
+            "started_ms": now_ms,
+            "waiting": "",
+            "scheduler": self.settings.name,
+        }
         await self.redis.hset(self.record, mapping=mapping)
         rows = await self.redis.llen(self.keys.experiment_results(self.id))
         state = json.loads(fields.get("state") or "{}")
@@ -158,15 +164,11 @@ class ExperimentRun:
 
     async def _watch(self, task: asyncio.Task[None], context: ExperimentContext) -> None:
         """Renew leases, write progress, and cancel `task` when the tenant asks."""
-        renew_every = max(1, int(self.settings.lease_s / 3 / _WATCH_S))
-        tick = 0
         while not task.done():
             await asyncio.sleep(_WATCH_S)
-            tick += 1
-            try:
-                if tick % renew_every == 0:
-                    await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
-                    await self.rt.limit.renew(*self.slot)
+            try:  # renewed every tick: a lease survives a loop stalled for most of `lease_s`
+                await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+                await self.rt.limit.renew(*self.slot)
                 if await self.redis.hget(self.record, "cancel_requested") == b"1":
                     self.cancelled_by_tenant = True
                     task.cancel()

@@ -19,3 +19,27 @@ async def count(ctx: Any, lm: Any, params: dict[str, Any]) -> None:
 async def echo(ctx: Any, lm: Any, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Return the params as one row, with the tenant and the model's vocabulary size."""
     return [{"tenant": ctx.tenant, "params": params, "vocab": len(lm.byte_vocab) if lm else 0}]
+
+
+async def slow_model(ctx: Any, lm: Any, params: dict[str, Any]) -> None:
+    """Call the model `width` prompts at a time until cancelled; note the calls then pending
+    (awaited, unanswered) and the client's in-flight requests after the cancellation."""
+    width, step = int(params.get("width", 16)), 0
+
+    async def call(prompt: list[int]) -> None:
+        await lm.next_token_logprobs(prompt)
+
+    calls: list[asyncio.Task[None]] = []
+    try:
+        while True:
+            calls = [asyncio.ensure_future(call([1 + step, 2 + j])) for j in range(width)]
+            await asyncio.gather(*calls)
+            step += 1
+            ctx.report(step)
+    except asyncio.CancelledError:
+        await asyncio.gather(*calls, return_exceptions=True)
+        at_cancel = sum(task.cancelled() for task in calls)  # awaited, unanswered, cancelled
+        record = ctx.keys.experiment_record(ctx.id)
+        mapping = {"pending_at_cancel": at_cancel, "inflight_after_cancel": lm.stats["inflight"]}
+        await ctx.redis.hset(record, mapping=mapping)
+        raise

@@ -24,6 +24,12 @@ from .regex_constraint import RegexConstraint
 __all__ = ["run", "constraint_masks"]
 
 
+def _trie_with_edges(byte_vocab: list[bytes]) -> TokenCharacterTrie:
+    trie = TokenCharacterTrie(byte_vocab)
+    trie.children  # noqa: B018 - built here, off the event loop, not on the first mask
+    return trie
+
+
 async def constraint_masks(
     params: dict[str, Any], byte_vocab: list[bytes], eos_token_ids: list[int]
 ) -> dict[str, Any]:
@@ -31,9 +37,10 @@ async def constraint_masks(
     if "lipogram" in params and "regex" in params:
         raise BadRequest("smc takes one constraint: lipogram or regex")
     if "lipogram" in params:
-        return {"allowed": lipogram_mask(byte_vocab, str(params["lipogram"]).encode())}
+        banned = str(params["lipogram"]).encode()
+        return {"allowed": await asyncio.to_thread(lipogram_mask, byte_vocab, banned)}
     if "regex" in params:
-        trie = await asyncio.to_thread(TokenCharacterTrie, byte_vocab)
+        trie = await asyncio.to_thread(_trie_with_edges, byte_vocab)
         try:
             constraint = RegexConstraint(str(params["regex"]), trie, eos_token_ids)
         except Exception as exc:  # the regex module's error type

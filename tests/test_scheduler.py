@@ -116,7 +116,7 @@ def schedulers(url, worker, tmp_path_factory):
                 "tenant_urls": {t: _tenant_url(url, t) for t in TENANTS},
                 "kinds": {kind: kind for kind in KINDS},
                 "max_running_per_tenant": 2,
-                "lease_s": 3.0,
+                "lease_s": 6.0,
                 "poll_delay_s": 0.1,
                 "limit_retry_s": 0.3,
                 "cron": [

@@ -127,7 +127,10 @@ class ExperimentStatus:
             text += f"  {self.done}/{self.total}"
         if self.status == "running" and self.rate:
             text += f"  {self.rate:.3g}/s"
-        if self.waiting and self.status == "queued":
+        if self.status == "queued" and self.start_after_ms > time.time() * 1000:
+            start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.start_after_ms / 1000))
+            text += f"  (starts {start} UTC)"
+        elif self.waiting and self.status == "queued":
             text += f"  (waiting: {self.waiting})"
         if self.error:
             text += f"  error: {self.error}"
@@ -256,7 +259,9 @@ class Experiments:
         A running experiment stops within about a second of the scheduler seeing the request.
         """
         record = self.keys.experiment_record(experiment_id)
-        await self.status(experiment_id)  # UnknownExperiment, Forbidden
+        status = await self.status(experiment_id)  # UnknownExperiment, Forbidden
+        if status.finished:
+            return status
         with redis_boundary(f"cancelling experiment {experiment_id!r}"):
             await self.redis.hset(record, "cancel_requested", "1")
         return await self.status(experiment_id)

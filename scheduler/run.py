@@ -182,9 +182,11 @@ class ExperimentRun:
                 logger.warning("experiment %s: watchdog: %r", self.id, exc)
 
     async def _interrupted(self) -> None:
-        await self.redis.hset(
-            self.record, mapping={"status": "queued", "waiting": "interrupted; will resume"}
-        )
+        """The scheduler is stopping: back to queued; a clean hand-over costs no attempt."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.record, mapping={"status": "queued", "waiting": "interrupted; resumes"})
+            pipe.hincrby(self.record, "attempts", -1)
+            await pipe.execute()
 
     async def _finish(
         self, status: str, error: str = "", context: ExperimentContext | None = None

@@ -76,7 +76,7 @@ class SchedulerSettings:
     max_running_per_tenant: int = 2
     #: a dead process's experiments are retried this long after its last renewal
     lease_s: float = 15.0
-    #: starts of one experiment (crashes included) before it is marked failed
+    #: starts of one experiment before it is marked failed (a clean SIGTERM hand-over: none)
     max_attempts: int = 3
     #: the longest an experiment may run
     job_timeout_s: int = 7 * 24 * 3600

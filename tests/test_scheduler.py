@@ -307,6 +307,26 @@ async def test_kill_9_mid_score_resumes_from_the_checkpoint_without_duplicates(
         assert result["token_logprobs"] == pytest.approx(expected, abs=1e-6)
 
 
+async def test_a_scheduler_stopped_with_sigterm_hands_its_experiment_to_another(
+    experiments, schedulers, url
+):
+    exp_id = await experiments.submit("exp_kinds:count", {"n": 30, "delay_s": 0.1})
+    async for status in experiments.follow(exp_id, 0.05):
+        if status.done >= 5:
+            break
+    owner = await experiments.redis.hget(experiments.keys.experiment_record(exp_id), "scheduler")
+    index = next(i for i, p in enumerate(schedulers) if p.name == owner.decode())
+    stopped = schedulers[index]
+    assert stopped.stop() == 0, stopped.log()
+    assert "will be run again" in stopped.log()
+    schedulers[index] = SchedulerProcess(
+        url, f"{stopped.name}-c", Path(stopped.args[-1]), stopped.log_path.parent
+    ).start()
+    status = await experiments.wait(exp_id, 30)
+    assert (status.status, status.attempts, status.done) == ("complete", 1, 30)  # no crash
+    assert await experiments.results(exp_id) == [{"index": i} for i in range(30)]
+
+
 async def test_a_tenant_runs_at_most_its_limit_at_once_the_rest_wait(experiments):
     ids = [await experiments.submit("exp_kinds:count", {"n": 4, "delay_s": 0.25}) for _ in range(3)]
     waiting_seen = False

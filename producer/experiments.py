@@ -290,8 +290,11 @@ class Experiments:
         Raises:
             TimeoutError: if it is not finished after `timeout_s`.
         """
-        async with asyncio.timeout(timeout_s):
-            async for status in self.follow(experiment_id, 0.2):
-                if status.finished:
-                    return status
-        raise AssertionError("follow ended before the experiment finished")  # unreachable
+        deadline = time.monotonic() + timeout_s  # not asyncio.timeout: see shared.connections
+        while True:
+            status = await self.status(experiment_id)
+            if status.finished:
+                return status
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"experiment {experiment_id!r} is still {status.status}")
+            await asyncio.sleep(0.2)

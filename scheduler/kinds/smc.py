@@ -4,7 +4,8 @@ Params: ``prompt`` (str), ``particles`` (default 16), ``steps`` (default 16), ``
 (default 0), and one constraint: ``lipogram`` (a string of banned characters, e.g. ``"eE"``:
 no token may contain them) or ``regex`` (a pattern the generated text must stay a prefix of a
 match of, checked through the token-character trie). Rows: one per final particle, with
-``index``, ``tokens``, ``text``, ``log_weight`` and ``done``.
+``index``, ``tokens``, ``text``, ``log_weight`` (null for weight zero: the constraint left the
+particle no token, as JSON has no -Infinity) and ``done``.
 
 The run is a whole: it writes its rows once at the end, so a retried run starts over (seeded,
 so it reproduces the same particles); progress is the step.
@@ -13,6 +14,7 @@ so it reproduces the same particles); progress is the step.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from lmqueue.smc import lipogram_mask, run_smc
@@ -76,7 +78,7 @@ async def run(ctx: Any, lm: Any, params: dict[str, Any]) -> list[dict[str, Any]]
             "index": i,
             "tokens": p.tokens,
             "text": lm.tokenizer.decode(p.tokens),
-            "log_weight": p.log_weight,
+            "log_weight": p.log_weight if math.isfinite(p.log_weight) else None,
             "done": p.done,
         }
         for i, p in enumerate(result.particles)

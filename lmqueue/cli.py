@@ -3,6 +3,8 @@
 lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a model
 lmq submit "The capital of France is" --top-k 5                       ask once
 lmq demo                                                               the whole pipeline
+lmq scheduler --redis-url redis://...                                  run experiments
+lmq experiment {submit,status,list,cancel,results} ...                 manage experiments
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
 
 Every command reports a failure as one line naming the error and what to do, and exits
@@ -43,9 +45,10 @@ def _submit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
+    from scheduler.main import add_arguments as scheduler_arguments
     from workers.main import build_parser as worker_parser
 
-    from . import demo, status
+    from . import demo, experiments_cli, status
 
     parser = argparse.ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
     status.add_arguments(
         commands.add_parser("status", help="backlog, workers and caches, read from Redis")
+    )
+    scheduler_arguments(commands.add_parser("scheduler", help="run experiments (arq worker)"))
+    experiments_cli.add_arguments(
+        commands.add_parser("experiment", help="submit, watch, cancel, collect experiments")
     )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -89,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             from . import status
 
             return status.run(args)
+        if args.command == "scheduler":
+            from scheduler.main import run as run_scheduler
+
+            return run_scheduler(args)
+        if args.command == "experiment":
+            from . import experiments_cli
+
+            return experiments_cli.run(args)
         from . import demo
 
         return demo.run(args)

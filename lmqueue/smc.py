@@ -59,6 +59,7 @@ async def run_smc(
     n_steps: int,
     *,
     allowed: torch.Tensor | None = None,
+    allowed_for: Callable[[list[int]], torch.Tensor] | None = None,
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
     on_step: Callable[[int], None] | None = None,
@@ -68,6 +69,7 @@ async def run_smc(
     Args:
         lm: has ``async batch_next_token_logprobs(list[list[int]]) -> Tensor``.
         allowed: mask of tokens the constraint allows (None: all tokens).
+        allowed_for: a mask per particle, from its tokens so far (wins over `allowed`).
         eos_token_ids: tokens that finish a particle.
         on_step: called with the step index after each step (progress bars).
     """
@@ -83,7 +85,8 @@ async def run_smc(
         logprobs = await lm.batch_next_token_logprobs([prompt + p.tokens for p in live])
         calls += len(live)
         for particle, row in zip(live, logprobs, strict=True):
-            _extend(particle, row, allowed, eos_token_ids, generator)
+            mask = allowed_for(particle.tokens) if allowed_for is not None else allowed
+            _extend(particle, row, mask, eos_token_ids, generator)
         if _effective_sample_size(particles) < n_particles / 2:
             particles = _resample(particles, rng)
             resamples += 1

@@ -14,7 +14,8 @@ TimeoutError`).
     │   ├── PromptTooLong
     │   ├── OversizeRequest
     │   ├── UnknownNode
-    │   └── VocabularyMismatch
+    │   ├── VocabularyMismatch
+    │   └── UnknownExperiment                no experiment of this tenant has that id
     ├── MalformedMessage (ValueError)        bytes on the wire that do not decode to a message
     ├── UnknownModel (LookupError)           no worker ever published the model
     ├── ModelError (RuntimeError)            the backend failed while computing
@@ -41,6 +42,7 @@ __all__ = [
     "OversizeRequest",
     "UnknownNode",
     "VocabularyMismatch",
+    "UnknownExperiment",
     "MalformedMessage",
     "UnknownModel",
     "ModelError",
@@ -101,6 +103,10 @@ class UnknownNode(BadRequest):
 
 class VocabularyMismatch(BadRequest):
     """Raised when a vector's length does not match the vocabulary it is used with."""
+
+
+class UnknownExperiment(BadRequest, LookupError):
+    """Raised when the tenant has no experiment of the given id."""
 
 
 class MalformedMessage(LMQueueError, ValueError):

@@ -16,6 +16,12 @@ served to everyone (its registry entry, tokenizer, vocabulary, live workers) car
     lmq:<tenant>:model:<model>:dead               dead-letter stream
     lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
     lmq:<tenant>:cache:<model>:<rev>:<kind>:<digest>   one cached result vector
+    lmq:<tenant>:exp:inbox                        experiment orders the scheduler reads
+    lmq:<tenant>:exp:index                        zset: experiment id -> submission (ms)
+    lmq:<tenant>:exp:{<tenant>:<id>}:record       hash: one experiment's kind, status, progress
+    lmq:<tenant>:exp:{<tenant>:<id>}:results      list of result rows (JSON), same slot
+    lmq:_sched:running:<tenant>                   zset: the tenant's running experiments (leases)
+    lmq:_sched:queue                              the scheduler's arq queue (arq:* keys are arq's)
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from dataclasses import dataclass
 
 from .errors import InvalidName
 
-__all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "validate_client_id", "token_digest"]
+__all__ = [
+    "KeySpace",
+    "WORKER_GROUP",
+    "arq_in_progress",
+    "validate_name",
+    "validate_client_id",
+    "token_digest",
+]
 
 #: The consumer group every worker of a model joins on its request stream.
 WORKER_GROUP = "workers"
@@ -110,3 +123,45 @@ class KeySpace:
         """The shared-cache key of one result: model, revision, result kind, exact tokens."""
         digest = token_digest(token_bytes)
         return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{digest}"
+
+    # -- experiments (the scheduler) ---------------------------------------------------------
+    def experiment_inbox(self) -> str:
+        """The stream of experiment orders (submissions) the scheduler reads."""
+        return f"{self.prefix}:{self.tenant}:exp:inbox"
+
+    def experiment_index(self) -> str:
+        """The zset of the tenant's experiment ids, scored by submission time (ms)."""
+        return f"{self.prefix}:{self.tenant}:exp:index"
+
+    def experiment_record(self, experiment_id: str) -> str:
+        """One experiment's hash; its `{tenant:id}` tag puts it in its results' slot."""
+        return f"{self.prefix}:{self.tenant}:exp:{{{self.tenant}:{experiment_id}}}:record"
+
+    def experiment_results(self, experiment_id: str) -> str:
+        """One experiment's result rows (a list of JSON documents)."""
+        return f"{self.prefix}:{self.tenant}:exp:{{{self.tenant}:{experiment_id}}}:results"
+
+    def experiments_running(self) -> str:
+        """The scheduler's zset of the tenant's running experiments (member -> lease end, ms).
+
+        Under ``_sched``, which no tenant name can be, so no tenant's key pattern covers it.
+        """
+        return f"{self.prefix}:_sched:running:{self.tenant}"
+
+    def experiment_job_id(self, experiment_id: str) -> str:
+        """The arq job id of an experiment: tenant-scoped, so one id runs once per tenant."""
+        return f"{self.prefix}:{self.tenant}:{experiment_id}"
+
+    def scheduler_queue(self) -> str:
+        """The arq queue (a zset arq owns) the scheduler's jobs wait in."""
+        return f"{self.prefix}:_sched:queue"
+
+
+#: arq's key of a running job (fixed by arq, whatever the queue): ``arq:in-progress:<job id>``.
+#: The scheduler shortens and renews its expiry, so a killed scheduler's job is retried soon.
+ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"
+
+
+def arq_in_progress(job_id: str) -> str:
+    """arq's in-progress key of `job_id` (``arq.constants.in_progress_key_prefix``)."""
+    return ARQ_IN_PROGRESS_PREFIX + job_id

@@ -1,0 +1,7 @@
+"""``python -m scheduler``: one scheduler process."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,204 @@
+"""`ExperimentRun`: one start of one experiment inside an arq job, start to final status.
+
+    queued ──(tenant below its limit)──> running ──> complete | failed | cancelled
+      ^  └──(at its limit: arq Retry, deferred)──┘      │
+      └──────(scheduler stopped or killed: arq runs the job again, from the checkpoint)
+
+While it runs, a watchdog renews the run's leases (the tenant slot, and arq's in-progress key,
+shortened to `lease_s` so that a killed process's job is retried seconds later instead of after
+the job timeout), writes progress, and cancels the kind's task when the tenant asks: the
+kind's awaits on the model are cancelled, and closing the `QueueLM` withdraws the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from arq import Retry
+
+from producer import QueueLM
+from producer.experiments import ExperimentStatus
+from shared.keys import arq_in_progress
+from shared.redis_errors import REDIS_TROUBLE
+from shared.settings import ClientSettings, RedisSettings
+
+from .context import ExperimentContext, LostOwnership
+from .kinds import Kind
+from .limits import TenantLimit
+from .settings import SchedulerSettings
+
+__all__ = ["ExperimentRun", "SchedulerRuntime"]
+
+logger = logging.getLogger(__name__)
+
+_WATCH_S = 0.25
+
+
+@dataclass
+class SchedulerRuntime:
+    """What every job of one scheduler process shares."""
+
+    settings: SchedulerSettings
+    redis: Any
+    kinds: dict[str, Kind]
+    limit: TenantLimit
+
+
+class ExperimentRun:
+    """Run experiment `experiment_id` of `tenant` as arq job `job_id`."""
+
+    def __init__(self, runtime: SchedulerRuntime, tenant: str, experiment_id: str, job_id: str):
+        self.rt = runtime
+        self.settings = runtime.settings
+        self.redis = runtime.redis
+        self.keys = runtime.settings.keyspace(tenant)
+        self.tenant = tenant
+        self.id = experiment_id
+        self.job_id = job_id
+        self.record = self.keys.experiment_record(experiment_id)
+        self.slot = (self.keys.experiments_running(), experiment_id)
+        self.cancelled_by_tenant = False
+        self.superseded = False
+
+    async def execute(self) -> dict[str, Any]:
+        """Run it (or decline to); the final status, as arq's (msgpack) job result."""
+        raw = await self.redis.hgetall(self.record)
+        if not raw:
+            return {"status": "missing"}
+        status = ExperimentStatus.from_record(self.tenant, self.id, raw)
+        if status.finished:
+            return {"status": status.status}
+        if status.cancel_requested:
+            return await self._finish("cancelled")
+        if not await self.rt.limit.acquire(*self.slot):
+            limit = self.settings.max_running_per_tenant
+            await self.redis.hset(self.record, "waiting", f"tenant limit: {limit} running")
+            raise Retry(defer=self.settings.limit_retry_s)
+        try:
+            return await self._run(raw)
+        finally:
+            await asyncio.shield(self.rt.limit.release(*self.slot))
+
+    async def _run(self, raw: dict[bytes, bytes]) -> dict[str, Any]:
+        await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+        attempts = await self.redis.hincrby(self.record, "attempts", 1)
+        if attempts > self.settings.max_attempts:
+            error = f"gave up after {attempts - 1} starts (the scheduler stopped during each)"
+            return await self._finish("failed", error)
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        kind = self.rt.kinds.get(fields.get("kind", ""))
+        if kind is None:
+            return await self._finish("failed", f"unknown kind {fields.get('kind')!r}")
+        context = await self._start(fields)
+        task = asyncio.create_task(self._call(kind, context, fields))
+        watchdog = asyncio.create_task(self._watch(task, context))
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.superseded and current is not None and not current.cancelling():
+                return {"status": "superseded"}
+            if self.cancelled_by_tenant and current is not None and not current.cancelling():
+                return await self._finish("cancelled", context=context)
+            await asyncio.shield(self._interrupted())
+            raise  # arq runs the job again (retry_jobs)
+        except LostOwnership:
+            logger.warning("experiment %s of %s: another run took it over", self.id, self.tenant)
+            return {"status": "superseded"}
+        except Exception as exc:
+            logger.info("experiment %s of %s failed: %r", self.id, self.tenant, exc)
+            return await self._finish("failed", f"{type(exc).__name__}: {exc}", context)
+        finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
+        return await self._finish("complete", context=context)
+
+    @property
+    def _lease_ms(self) -> int:
+        return int(self.settings.lease_s * 1000)
+
+    async def _start(self, fields: dict[str, str]) -> ExperimentContext:
+        token = secrets.token_hex(8)
+        now_ms = int(time.time() * 1000)
+        mapping = {
+            "status": "running",
+            "run_token": token,
+            "started_ms": now_ms,
+            "waiting": "",
+            "scheduler": self.settings.name,
+        }
+        await self.redis.hset(self.record, mapping=mapping)
+        rows = await self.redis.llen(self.keys.experiment_results(self.id))
+        state = json.loads(fields.get("state") or "{}")
+        done, total = int(fields.get("done") or 0), int(fields.get("total") or 0)
+        return ExperimentContext(
+            self.redis, self.keys, self.id, fields.get("model", ""), token, state, rows, done, total
+        )
+
+    async def _call(self, kind: Kind, context: ExperimentContext, fields: dict[str, str]) -> None:
+        params = json.loads(fields.get("params") or "{}")
+        if not context.model:
+            rows = await kind(context, None, params)
+        else:
+            settings = ClientSettings(
+                redis=RedisSettings(
+                    url=self.settings.url_of(self.tenant),
+                    prefix=self.settings.prefix,
+                    tenant=self.tenant,
+                ),
+                connect_timeout_s=self.settings.connect_timeout_s,
+            )
+            lm = await QueueLM.connect(context.model, settings=settings)
+            try:
+                rows = await kind(context, lm, params)
+            finally:
+                await asyncio.shield(lm.close())
+        if rows:
+            await context.checkpoint(list(rows), context.state)
+
+    async def _watch(self, task: asyncio.Task[None], context: ExperimentContext) -> None:
+        """Renew leases, write progress, and cancel `task` when the tenant asks."""
+        while not task.done():
+            await asyncio.sleep(_WATCH_S)
+            try:  # renewed every tick: a lease survives a loop stalled for most of `lease_s`
+                await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+                await self.rt.limit.renew(*self.slot)
+                if await self.redis.hget(self.record, "cancel_requested") == b"1":
+                    self.cancelled_by_tenant = True
+                    task.cancel()
+                    return
+                await context.flush_progress()
+            except LostOwnership:
+                self.superseded = True
+                task.cancel()
+                return
+            except REDIS_TROUBLE as exc:  # the kind's own calls will say if Redis is gone
+                logger.warning("experiment %s: watchdog: %r", self.id, exc)
+
+    async def _interrupted(self) -> None:
+        """The scheduler is stopping: back to queued; a clean hand-over costs no attempt."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.record, mapping={"status": "queued", "waiting": "interrupted; resumes"})
+            pipe.hincrby(self.record, "attempts", -1)
+            await pipe.execute()
+
+    async def _finish(
+        self, status: str, error: str = "", context: ExperimentContext | None = None
+    ) -> dict[str, Any]:
+        mapping: dict[str, Any] = {
+            "status": status,
+            "error": error,
+            "finished_ms": int(time.time() * 1000),
+            "waiting": "",
+        }
+        if context is not None:
+            mapping.update(done=context.done, total=context.total, rate=f"{context.rate:.6g}")
+        await asyncio.shield(self.redis.hset(self.record, mapping=mapping))
+        logger.info("experiment %s of %s: %s %s", self.id, self.tenant, status, error)
+        return {"status": status, "error": error}

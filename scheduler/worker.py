@@ -37,24 +37,12 @@ async def run_experiment(ctx: dict[str, Any], tenant: str, experiment_id: str) -
     return await ExperimentRun(runtime, tenant, experiment_id, ctx["job_id"]).execute()
 
 
-def _import_tokenizers() -> None:
-    """Import transformers' tokenizer classes once, before experiments connect concurrently.
-
-    `QueueLM.connect` loads its tokenizer in a thread; two first imports of transformers'
-    lazy module in two threads at once can fail with ImportError (seen here).
-    """
-    from transformers import AutoTokenizer
-
-    del AutoTokenizer
-
-
 async def _startup(ctx: dict[str, Any]) -> None:
     settings: SchedulerSettings = ctx["settings"]
     # Experiments do small-vector math (one 50k-vector per particle and step) on the event
     # loop; torch's intra-op threads only contend for the cores (10x slower here, measured:
     # 5 SMC steps x 6 particles took 1.4 s with 2 threads under load, 0.14 s with 1).
     torch.set_num_threads(1)
-    await asyncio.to_thread(_import_tokenizers)
     redis = async_redis(settings.redis_url)
     kinds = resolve_kinds(settings.kinds)
     limit = TenantLimit(redis, settings.max_running_per_tenant, settings.lease_s)

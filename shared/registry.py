@@ -9,7 +9,9 @@ repeated on every heartbeat when the entry is missing, so a Redis restart heals 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,20 +145,36 @@ def tokenizer_to_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None) -> Any:
-    """Load a tokenizer from `tokenizer_to_files` output, via a content-addressed directory."""
-    from transformers import AutoTokenizer
+    """Load a tokenizer from `tokenizer_to_files` output, via a content-addressed directory.
 
+    Safe to call from several threads and processes at once: transformers' lazy imports are
+    not (two first imports in two threads can fail with ImportError), so this process's calls
+    take turns; the directory is written under a temporary name and renamed into place, so a
+    reader never sees half of it.
+    """
+    for name in files:
+        if "/" in name or name.startswith("."):
+            raise MalformedMessage(f"tokenizer file name {name!r} is not a plain name")
     digest = hashlib.blake2b(msgpack.packb(sorted(files.items())), digest_size=12).hexdigest()
     base = cache_dir or Path(tempfile.gettempdir()) / "lmqueue-tokenizers"
     target = base / digest
-    if not (target / ".complete").exists():
-        target.mkdir(parents=True, exist_ok=True)
-        for name, content in files.items():
-            if "/" in name or name.startswith("."):
-                raise MalformedMessage(f"tokenizer file name {name!r} is not a plain name")
-            (target / name).write_bytes(content)
-        (target / ".complete").touch()
-    return AutoTokenizer.from_pretrained(str(target))
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
+
+        if not target.is_dir():
+            base.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=base))
+            for name, content in files.items():
+                (staging / name).write_bytes(content)
+            try:
+                staging.rename(target)
+            except OSError:  # another process renamed its copy first: use that one
+                shutil.rmtree(staging, ignore_errors=True)
+        return AutoTokenizer.from_pretrained(str(target))
+
+
+#: One tokenizer load at a time in this process (see `tokenizer_from_files`).
+_TOKENIZER_LOCK = threading.Lock()
 
 
 #: Sizes past which a registry value is refused unread: nothing a worker publishes comes near.

@@ -123,3 +123,38 @@ def test_tokens_are_bytes_that_compare_by_id():
     assert sorted([b, a]) == [a, b]
     with pytest.raises(TypeError):
         Token("1", b"x")  # type: ignore[arg-type]
+
+
+def test_tokenizers_load_from_published_files_in_many_threads_at_once(tmp_path):
+    """Concurrent connects load the tokenizer together: no import race, no torn directory."""
+    import subprocess
+    import sys
+
+    code = (
+        "import concurrent.futures as cf, sys\n"
+        "from pathlib import Path\n"
+        "from shared.registry import tokenizer_from_files\n"
+        "import msgpack\n"
+        "files = msgpack.unpackb(Path(sys.argv[1]).read_bytes())\n"
+        "with cf.ThreadPoolExecutor(8) as pool:\n"
+        "    toks = list(pool.map(lambda _: tokenizer_from_files(files, Path(sys.argv[2])), "
+        "range(8)))\n"
+        "print(len({len(t) for t in toks}), len(toks[0]))\n"
+    )
+    import msgpack
+
+    from shared.registry import tokenizer_to_files
+    from workers.models import load_tokenizer
+
+    files = tokenizer_to_files(load_tokenizer("smollm2-135m"))
+    blob = tmp_path / "files.msgpack"
+    blob.write_bytes(msgpack.packb(files, use_bin_type=True))
+    # a fresh interpreter: transformers not yet imported, as in a new client process
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(blob), str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "49152"]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] != []
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]

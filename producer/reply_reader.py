@@ -8,7 +8,8 @@ meanwhile wait in the stream.
 A Redis that restarted without persistence has lost every queued request, and the connection
 pool reconnects to it silently, so no error need ever reach this task. The reader therefore
 watches the server's identity (``INFO server`` ``run_id``, checked in the read pipeline about
-once a second and after every connection error) and, when it changes, asks for every
+once a second and after every connection error; on a Redis Cluster, the run ids of all masters,
+so a failover counts as a restart: see `server_run_id`) and, when it changes, asks for every
 in-flight request to be submitted again. A request answered twice is settled once; a mere
 reconnect to the same server resubmits nothing, so a network blip does not double the backlog.
 
@@ -16,8 +17,9 @@ Claim-check replies (a cache key instead of the vector) of one read are resolved
 a `ClaimResolver`, one MGET on the cache instance; the requests whose keys are gone are handed
 to ``on_claim_missed`` to be asked again for inline replies.
 
-Replies are read through a `RespPipe` where one can connect (not TLS): vectors are received
-straight into the arrays handed out, instead of being copied five times by redis-py.
+Replies are read through a `RespPipe` where one can connect (not TLS, not a cluster: it speaks
+to one node): vectors are received straight into the arrays handed out, instead of being copied
+five times by redis-py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.connections import bounded
+from shared.connections import bounded, is_cluster
 from shared.errors import MalformedMessage, Unavailable
 from shared.redis_errors import REDIS_DOWN
 from shared.wire import Reply, decode_reply
@@ -68,7 +70,15 @@ def _after(entry_id: bytes | str) -> str:
 
 
 async def server_run_id(redis: Any) -> str:
-    """The identity of the Redis process behind `redis`; it changes on every restart."""
+    """The identity of the Redis process behind `redis`; it changes on every restart.
+
+    On a cluster, the run ids of all masters, sorted: a failover (the promoted replica is
+    another process, and may lack what its master had not yet replicated), a master's restart
+    or a new master changes it.
+    """
+    if is_cluster(redis):
+        infos = await redis.info("server", target_nodes=redis.PRIMARIES)
+        return ",".join(sorted(str(info["run_id"]) for info in infos.values()))
     return str((await redis.info("server"))["run_id"])
 
 
@@ -100,6 +110,7 @@ class ReplyReader:
         pipe: RespPipe | None = None,
     ) -> None:
         self.redis = redis
+        self._cluster = is_cluster(redis)
         self.pipe = pipe
         self.stream = stream
         self.inflight = inflight
@@ -176,14 +187,17 @@ class ReplyReader:
         return run_id, [(entry_id, _pairs(fields)) for entry_id, fields in entries]
 
     async def _read_redis_py(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
+        # a cluster pipeline sends commands to their keys' nodes: INFO of every master goes apart
+        run_id = await server_run_id(self.redis) if check and self._cluster else None
         async with self.redis.pipeline(transaction=False) as pipe:
             if trim is not None:
                 pipe.xtrim(self.stream, minid=trim, approximate=False)
-            if check:
+            if check and not self._cluster:
                 pipe.info("server")
             pipe.xread({self.stream: self._last_id}, count=self.read_count, block=_BLOCK_MS)
             results = await pipe.execute()
-        run_id = str(results[-2]["run_id"]) if check else None
+        if check and not self._cluster:
+            run_id = str(results[-2]["run_id"])
         reply = results[-1]
         return run_id, list(reply[0][1]) if reply else []
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.connections import bounded
+from shared.connections import bounded, is_cluster
 from shared.errors import Cancelled, DeadlineExceeded
 from shared.registry import ModelInfo
 from shared.settings import ClientSettings
@@ -77,9 +77,14 @@ class RequestChannel:
             if settings.use_shared_cache
             else None
         )
-        self.pipes = [
-            RespPipe(url, settings.redis.connect_timeout_s) if RespPipe.supports(url) else None
-            for url in (settings.redis.url, settings.redis.effective_cache_url)
+        self.pipes = [  # one node only: a cluster's replies go through redis-py
+            RespPipe(url, settings.redis.connect_timeout_s)
+            if RespPipe.supports(url) and not is_cluster(client)
+            else None
+            for url, client in (
+                (settings.redis.url, redis),
+                (settings.redis.effective_cache_url, cache_redis),
+            )
         ]
         self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=self.pipes[1])
         bound = settings.max_backlog or info.max_backlog

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "model": "lmqueue.bench.model",
     "memory": "lmqueue.bench.memory",
     "trie": "lmqueue.bench.trie",
+    "cluster": "lmqueue.bench.cluster",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
 ALL_ORDER = ["transport", "cache", "scaling", "model", "memory", "trie"]

@@ -1,0 +1,136 @@
+"""Redis Cluster as a deployment choice: detection, hash slots, per-node reads, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster as synccluster
+import torch
+
+from lmqueue.worker_processes import WorkerProcess
+from producer import QueueLM
+from shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
+from shared.keys import KeySpace
+from shared.registry import ModelInfo, ModelRegistry
+from workers.backends.mock import MockAsyncLM
+
+KEYS = KeySpace()
+
+
+async def test_a_cluster_node_gives_a_cluster_client_and_a_single_instance_a_plain_one(
+    cluster_url, redis_url
+):
+    on_cluster = await connect_async_redis(cluster_url)
+    on_single = await connect_async_redis(redis_url)
+    try:
+        assert isinstance(on_cluster, aiocluster.RedisCluster)
+        assert len(on_cluster.get_primaries()) == 3
+        # the single instance gets exactly the client it always got: nothing wraps it
+        assert type(on_single) is aioredis.Redis
+        assert on_single.connection_pool.connection_class is _VectoredConnection
+    finally:
+        await on_cluster.aclose()
+        await on_single.aclose()
+    blocking = sync_redis(cluster_url)
+    assert isinstance(blocking, synccluster.RedisCluster)
+    blocking.close()
+    assert type(sync_redis(redis_url)) is redis.Redis
+
+
+async def test_an_unreachable_node_gives_the_lazy_plain_client_as_before():
+    client = await connect_async_redis("redis://127.0.0.1:1/0", connect_timeout_s=0.2)
+    assert type(client) is aioredis.Redis
+    await client.aclose()
+
+
+async def test_a_model_is_published_and_read_back_on_a_cluster_from_one_slot(cluster_url):
+    model = "some/model-1.5"
+    registry_keys = [KEYS.model_info(model), KEYS.model_tokenizer(model), KEYS.model_vocab(model),
+                     KEYS.model_workers(model)]  # fmt: skip
+    client = await connect_async_redis(cluster_url)
+    try:
+        assert len({client.keyslot(key) for key in registry_keys}) == 1
+        registry = ModelRegistry(client, KEYS)
+        info = ModelInfo(model, "r1", "mock", 3, 3, 16)
+        await registry.publish(info, {"tokenizer.json": b"{}"}, [b"a", b"b", b"c"])
+        assert await registry.info(model) == info
+        assert await registry.tokenizer_files(model) == {"tokenizer.json": b"{}"}
+        assert await registry.byte_vocab(model) == [b"a", b"b", b"c"]
+        assert await client.smembers(KEYS.models()) == {model.encode()}
+    finally:
+        await client.aclose()
+
+
+async def test_cache_keys_spread_over_every_master(cluster_url):
+    client = await connect_async_redis(cluster_url)
+    try:
+        keys = [KEYS.cache_entry("m", "r1", "lp.float32", bytes([i, i >> 8])) for i in range(300)]
+        nodes = [client.get_node_from_key(key).name for key in keys]
+        counts = sorted(nodes.count(name) for name in set(nodes))
+        assert len(counts) == 3 and counts[0] > 60  # about 100 each
+    finally:
+        await client.aclose()
+
+
+async def test_a_multi_get_on_a_cluster_asks_the_nodes_concurrently(redis_cluster, cluster_url):
+    client = await connect_async_redis(cluster_url)
+    keys = [KEYS.cache_entry("m", "r1", "lp.float32", bytes([i])) for i in range(60)]
+    try:
+        await asyncio.gather(*(client.set(key, key.encode()) for key in keys[::2]))
+        assert await multi_get(client)(keys[:4]) == [keys[0].encode(), None, keys[2].encode(), None]
+        # every master answers only after a 0.6 s pause: asked one after another, 1.8 s
+        for port in redis_cluster.master_ports():
+            with redis.Redis(host="127.0.0.1", port=port) as node:
+                node.execute_command("CLIENT", "PAUSE", 600, "ALL")
+        started = time.monotonic()
+        values = await multi_get(client)(keys)
+        elapsed_s = time.monotonic() - started
+    finally:
+        await client.aclose()
+    assert values == [key.encode() if i % 2 == 0 else None for i, key in enumerate(keys)]
+    assert 0.4 < elapsed_s < 1.2, elapsed_s
+
+
+async def test_a_single_instance_multi_get_is_one_mget(aredis):
+    assert multi_get(aredis) == aredis.mget
+
+
+@pytest.fixture
+def served_any(any_redis_url, tmp_path):
+    worker = WorkerProcess("smollm2-135m", "mock", any_redis_url, "any-0", log_dir=tmp_path)
+    worker.start()
+    yield any_redis_url
+    assert worker.stop() == 0, worker.log()
+
+
+async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment(
+    served_any, smol_tokenizer, redis_cluster
+):
+    reference = MockAsyncLM(smol_tokenizer)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 49152, size=int(rng.integers(1, 30))).tolist() for _ in range(300)]
+    async with await QueueLM.connect(
+        "smollm2-135m", redis_url=served_any, connect_timeout_s=60
+    ) as lm:
+        on_cluster = isinstance(lm.channel.redis, aiocluster.RedisCluster)
+        pipes = list(lm.channel.pipes)
+        results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        lm.clear_cache()
+        again = await lm.next_token_logprobs(prompts[0])  # from the shared cache
+        stats = lm.stats
+    for prompt, result in zip(prompts, results, strict=True):
+        assert torch.equal(result, reference.logprobs_of(prompt))
+    assert torch.equal(again, results[0])
+    assert on_cluster == (served_any == redis_cluster.url)
+    # the in-place receiver speaks to one node: a cluster's replies go through redis-py
+    assert (pipes == [None, None]) if on_cluster else (pipes[0] is not None)
+    assert stats["inflight"] == 0 and stats["cache_hits"] >= 1
+    # claim-checks: on a cluster the worker writes cache entries before the replies, so a
+    # claimed entry is always there
+    assert stats["claims_missed"] == 0 and stats["claims_resolved"] > 0, stats

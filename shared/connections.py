@@ -24,8 +24,8 @@ node named by the ordinary ``redis://``/``rediss://`` URL ``INFO cluster`` once,
 and return a redis-py cluster client (``RedisCluster``: follows MOVED and ASK, refreshes the slot
 map after a failover) when it says ``cluster_enabled:1``, the plain client otherwise. Nothing
 wraps the plain client, so a single instance pays one round trip at connect and nothing per
-command. Cluster clients send with redis-py's own connections (no vectored sends) and
-pipelines split per node (``transaction=False`` only: callers that need atomicity use one
+command. The asyncio cluster client's nodes use the vectored connection too; its pipelines
+split per node (``transaction=False`` only: callers that need atomicity use one
 hash slot and a Lua script, see `shared.keys`).
 """
 
@@ -118,6 +118,10 @@ async def connect_async_redis(
     await plain.aclose()
     options = _cluster_options(connect_timeout_s)
     client = aiocluster.RedisCluster.from_url(url, **options)
+    if not url.startswith("rediss://"):
+        # RedisCluster takes no connection class, but every node it discovers (now or after a
+        # failover) is made from these arguments: vectored sends for the worker's pipelines
+        client.nodes_manager.connection_kwargs["connection_class"] = _VectoredConnection
     await bounded(client.initialize(), connect_timeout_s + 1, "reading the cluster's slots")
     return client
 

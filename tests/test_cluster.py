@@ -31,6 +31,8 @@ async def test_a_cluster_node_gives_a_cluster_client_and_a_single_instance_a_pla
     try:
         assert isinstance(on_cluster, aiocluster.RedisCluster)
         assert len(on_cluster.get_primaries()) == 3
+        # every node sends a pipeline's pieces without joining them, as the plain client does
+        assert {n.connection_class for n in on_cluster.get_nodes()} == {_VectoredConnection}
         # the single instance gets exactly the client it always got: nothing wraps it
         assert type(on_single) is aioredis.Redis
         assert on_single.connection_pool.connection_class is _VectoredConnection
@@ -70,7 +72,9 @@ async def test_a_model_is_published_and_read_back_on_a_cluster_from_one_slot(clu
 async def test_cache_keys_spread_over_every_master(cluster_url):
     client = await connect_async_redis(cluster_url)
     try:
-        keys = [KEYS.cache_entry("m", "r1", "lp.float32", bytes([i, i >> 8])) for i in range(300)]
+        keys = [
+            KEYS.cache_entry("m", "r1", "lp.float32", i.to_bytes(2, "little")) for i in range(300)
+        ]
         nodes = [client.get_node_from_key(key).name for key in keys]
         counts = sorted(nodes.count(name) for name in set(nodes))
         assert len(counts) == 3 and counts[0] > 60  # about 100 each

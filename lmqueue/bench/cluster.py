@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure-s", type=float, default=6.0)
     parser.add_argument("--distinct-vectors", type=int, default=64)
     parser.add_argument("--replicas", type=int, default=0, help="replicas per cluster master")
+    parser.add_argument(
+        "--vector-size", type=int, default=0,
+        help="vector length (mock padding past the model's vocabulary; 0: the vocabulary's)",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
 
@@ -69,7 +73,10 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
         common = dict(
             model=args.model,
             backend="mock",
-            backend_opts={"distinct_vectors": args.distinct_vectors},
+            backend_opts={
+                "distinct_vectors": args.distinct_vectors,
+                **({"vector_size": args.vector_size} if args.vector_size else {}),
+            },
             env={"LMQ_CACHE_WRITES": "0"},
         )
         urls = {"single": single.url, "cluster": cluster.url}

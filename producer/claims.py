@@ -42,7 +42,6 @@ class ClaimResolver:
         self, cache_redis: Any, timeout_s: float = 10.0, pipe: RespPipe | None = None
     ) -> None:
         self.redis = cache_redis
-        self._redis_mget = multi_get(cache_redis)  # split per node on a cluster
         self.pipe = pipe  # where it can connect: vectors land in arrays of their own
         self.timeout_s = timeout_s
         self.resolved = 0
@@ -77,7 +76,7 @@ class ClaimResolver:
 
     async def _mget(self, keys: list[Any]) -> list[Any]:
         if self.pipe is None:
-            return list(await self._redis_mget(keys))
+            return list(await multi_get(self.redis)(keys))  # split per node on a cluster
         (values,) = await self.pipe.execute(("MGET", *keys))
         if isinstance(values, Exception):
             raise values

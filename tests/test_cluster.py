@@ -12,12 +12,22 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 import redis.cluster as synccluster
 import torch
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from lmqueue.worker_processes import WorkerProcess
 from producer import QueueLM
 from shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
+from shared.errors import Unavailable
 from shared.keys import KeySpace
+from shared.redis_errors import REDIS_DOWN, translate
 from shared.registry import ModelInfo, ModelRegistry
+from shared.settings import ClientSettings, RedisSettings
 from workers.backends.mock import MockAsyncLM
 
 KEYS = KeySpace()
@@ -101,6 +111,22 @@ async def test_a_multi_get_on_a_cluster_asks_the_nodes_concurrently(redis_cluste
     assert 0.4 < elapsed_s < 1.2, elapsed_s
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        ClusterDownError("CLUSTERDOWN The cluster is down"),
+        MasterDownError("MASTERDOWN Link with MASTER is down"),
+        TryAgainError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        SlotNotCoveredError("Slot 5 is not covered by the cluster"),
+        ClusterError("TTL exhausted."),
+    ],
+)
+def test_a_cluster_in_failover_counts_as_down_for_now(error):
+    assert isinstance(error, REDIS_DOWN)  # loops retry it
+    translated = translate(error, "reading replies")
+    assert isinstance(translated, Unavailable) and "cannot be reached" in str(translated)
+
+
 async def test_a_single_instance_multi_get_is_one_mget(aredis):
     assert multi_get(aredis) == aredis.mget
 
@@ -138,3 +164,31 @@ async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment
     # claim-checks: on a cluster the worker writes cache entries before the replies, so a
     # claimed entry is always there
     assert stats["claims_missed"] == 0 and stats["claims_resolved"] > 0, stats
+
+
+@pytest.mark.cluster
+async def test_the_cache_role_alone_can_be_a_cluster(
+    redis_url, cluster_url, smol_tokenizer, tmp_path
+):
+    worker = WorkerProcess("smollm2-135m", "mock", redis_url, "cache-on-cluster", log_dir=tmp_path,
+                           extra_args=["--cache-url", cluster_url])  # fmt: skip
+    worker.start()
+    reference = MockAsyncLM(smol_tokenizer)
+    prompts = [[i, i + 1, i + 2] for i in range(100)]
+    try:
+        settings = ClientSettings(redis=RedisSettings(url=redis_url, cache_url=cluster_url),
+                                  connect_timeout_s=60)  # fmt: skip
+        async with await QueueLM.connect("smollm2-135m", settings=settings) as lm:
+            assert not isinstance(lm.channel.redis, aiocluster.RedisCluster)
+            assert isinstance(lm.channel.cache_redis, aiocluster.RedisCluster)
+            first = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+            lm.clear_cache()
+            second = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+            stats = lm.stats
+    finally:
+        assert worker.stop() == 0, worker.log()
+    for prompt, a, b in zip(prompts, first, second, strict=True):
+        assert torch.equal(a, reference.logprobs_of(prompt)) and torch.equal(a, b)
+    # every first answer came as a claim-check on the cluster, every second from its cache
+    assert stats["claims_resolved"] == 100 and stats["claims_missed"] == 0, stats
+    assert stats["cache_hits"] == 100 and stats["sent"] == 100, stats

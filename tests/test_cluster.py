@@ -24,11 +24,12 @@ from lmqueue.worker_processes import WorkerProcess
 from producer import QueueLM
 from shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
 from shared.errors import Unavailable
-from shared.keys import KeySpace
+from shared.keys import WORKER_GROUP, KeySpace
 from shared.redis_errors import REDIS_DOWN, translate
 from shared.registry import ModelInfo, ModelRegistry
 from shared.settings import ClientSettings, RedisSettings
 from workers.backends.mock import MockAsyncLM
+from workers_in_threads import ThreadedWorker
 
 KEYS = KeySpace()
 
@@ -192,3 +193,20 @@ async def test_the_cache_role_alone_can_be_a_cluster(
     # every first answer came as a claim-check on the cluster, every second from its cache
     assert stats["claims_resolved"] == 100 and stats["claims_missed"] == 0, stats
     assert stats["cache_hits"] == 100 and stats["sent"] == 100, stats
+
+
+@pytest.mark.cluster
+async def test_a_worker_recreates_the_group_a_promoted_replica_lacks(cluster_url, smol_tokenizer):
+    backend = MockAsyncLM(smol_tokenizer)
+    served = ThreadedWorker(backend, cluster_url, model="mock").start()
+    try:
+        async with await QueueLM.connect("mock", redis_url=cluster_url, timeout_s=20) as lm:
+            assert torch.equal(await lm.next_token_logprobs([1, 2]), backend.logprobs_of([1, 2]))
+            # what a replica promoted before the group's creation reached it looks like
+            destroyed = await lm.channel.redis.xgroup_destroy(KEYS.requests("mock"), WORKER_GROUP)
+            results = await asyncio.gather(*(lm.next_token_logprobs([3, i]) for i in range(20)))
+    finally:
+        served.stop()
+    assert destroyed == 1
+    for i, result in enumerate(results):
+        assert torch.equal(result, backend.logprobs_of([3, i]))

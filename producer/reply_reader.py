@@ -17,9 +17,9 @@ Claim-check replies (a cache key instead of the vector) of one read are resolved
 a `ClaimResolver`, one MGET on the cache instance; the requests whose keys are gone are handed
 to ``on_claim_missed`` to be asked again for inline replies.
 
-Replies are read through a `RespPipe` where one can connect (not TLS, not a cluster: it speaks
-to one node): vectors are received straight into the arrays handed out, instead of being copied
-five times by redis-py.
+Replies are read through a `RespPipe` where one can connect (not TLS; on a cluster a `SlotPipe`
+aims it at the node serving the reply stream): vectors are received straight into the arrays
+handed out, instead of being copied five times by redis-py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from shared.wire import Reply, decode_reply
 from .claims import ClaimResolver
 from .inflight import InflightTable
 from .resp_pipe import RespPipe
+from .slot_pipe import SlotPipe
 
 __all__ = ["ReplyReader", "server_run_id"]
 
@@ -107,7 +108,7 @@ class ReplyReader:
         stall_timeout_s: float = 10.0,
         claims: ClaimResolver | None = None,
         on_claim_missed: Callable[[list[str]], None] | None = None,
-        pipe: RespPipe | None = None,
+        pipe: RespPipe | SlotPipe | None = None,
     ) -> None:
         self.redis = redis
         self._cluster = is_cluster(redis)
@@ -169,10 +170,13 @@ class ReplyReader:
 
     async def _read_pipe(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
         assert self.pipe is not None
+        # on a cluster the pipe reaches one node; the masters' identities come through redis-py
+        run_id = await server_run_id(self.redis) if check and self._cluster else None
+        inline_check = check and not self._cluster
         commands: list[tuple[Any, ...]] = []
         if trim is not None:
             commands.append(("XTRIM", self.stream, "MINID", trim))
-        if check:
+        if inline_check:
             commands.append(("INFO", "server"))
         commands.append(("XREAD", "COUNT", self.read_count, "BLOCK", _BLOCK_MS, "STREAMS",
                          self.stream, self._last_id))  # fmt: skip
@@ -180,7 +184,8 @@ class ReplyReader:
         for result in results:
             if isinstance(result, Exception):
                 raise result
-        run_id = _run_id_of(results[-2]) if check else None
+        if inline_check:
+            run_id = _run_id_of(results[-2])
         if not results[-1]:
             return run_id, []
         entries = results[-1][0][1]

@@ -22,6 +22,8 @@ from redis.exceptions import (
 
 from lmqueue.worker_processes import WorkerProcess
 from producer import QueueLM
+from producer.resp_pipe import RespPipe
+from producer.slot_pipe import SlotPipe
 from shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
 from shared.errors import Unavailable
 from shared.keys import WORKER_GROUP, KeySpace
@@ -159,8 +161,9 @@ async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment
         assert torch.equal(result, reference.logprobs_of(prompt))
     assert torch.equal(again, results[0])
     assert on_cluster == (served_any == redis_cluster.url)
-    # the in-place receiver speaks to one node: a cluster's replies go through redis-py
-    assert (pipes == [None, None]) if on_cluster else (pipes[0] is not None)
+    # replies land in place on either; on a cluster the receiver follows the reply stream's slot
+    assert isinstance(pipes[0], SlotPipe if on_cluster else RespPipe)
+    assert (pipes[1] is None) if on_cluster else isinstance(pipes[1], RespPipe)
     assert stats["inflight"] == 0 and stats["cache_hits"] >= 1
     # claim-checks: on a cluster the worker writes cache entries before the replies, so a
     # claimed entry is always there
@@ -210,3 +213,38 @@ async def test_a_worker_recreates_the_group_a_promoted_replica_lacks(cluster_url
     assert destroyed == 1
     for i, result in enumerate(results):
         assert torch.equal(result, backend.logprobs_of([3, i]))
+
+
+@pytest.mark.cluster
+async def test_the_slot_pipe_follows_its_key_through_ask_and_moved(redis_cluster, cluster_url):
+    key = KEYS.replies("slot-pipe-test")
+    client = await connect_async_redis(cluster_url)
+    pipe = SlotPipe(client, key, cluster_url)
+    slot = redis_cluster.slot_of(key)
+    source = redis_cluster.port_of_slot(slot)
+    target = next(p for p in redis_cluster.master_ports() if p != source)
+    nodes = {p: redis.Redis(host="127.0.0.1", port=p) for p in (source, target)}
+    ids = {p: redis_cluster.node_id(p) for p in (source, target)}
+    try:
+        await client.xadd(key, {b"f": b"1"})
+        assert len((await pipe.execute(("XRANGE", key, "-", "+")))[0]) == 1
+        # migrating: the key has left the source, which answers ASK until the slot is handed over
+        nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        nodes[source].execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", key)
+        (rows,) = await pipe.execute(("XRANGE", key, "-", "+"))
+        assert len(rows) == 1 and pipe.redirects == 1
+        for port in redis_cluster.master_ports():
+            with redis.Redis(host="127.0.0.1", port=port) as node:
+                node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+        # handed over: the source answers MOVED, and the pipe stays on the target from then on
+        (rows,) = await pipe.execute(("XRANGE", key, "-", "+"))
+        assert len(rows) == 1 and pipe.redirects == 2
+        (rows,) = await pipe.execute(("XRANGE", key, "-", "+"))
+        assert len(rows) == 1 and pipe.redirects == 2
+        assert pipe.pipe.options["port"] == target
+    finally:
+        pipe.close()
+        for node in nodes.values():
+            node.close()
+        await client.aclose()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+from typing import Any
 
 import redis
 
@@ -22,7 +23,7 @@ BYTES = {"float32": 4, "float16": 2}
 
 
 def _cpu_s(client: redis.Redis) -> float:
-    info = client.info("cpu")
+    info: dict[str, Any] = client.info("cpu")  # type: ignore[assignment]
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 

@@ -27,7 +27,7 @@ BENCHMARKS = {
     "cluster": "lmqueue.bench.cluster",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
-ALL_ORDER = ["transport", "cache", "scaling", "model", "memory", "trie"]
+ALL_ORDER = ["transport", "cache", "scaling", "cluster", "model", "memory", "trie"]
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]
 

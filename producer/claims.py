@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shared.connections import bounded
+from shared.connections import bounded, multi_get
 from shared.errors import MalformedMessage
 from shared.wire import Reply, check_payload
 
@@ -76,7 +76,7 @@ class ClaimResolver:
 
     async def _mget(self, keys: list[Any]) -> list[Any]:
         if self.pipe is None:
-            return list(await self.redis.mget(keys))
+            return list(await multi_get(self.redis)(keys))  # split per node on a cluster
         (values,) = await self.pipe.execute(("MGET", *keys))
         if isinstance(values, Exception):
             raise values

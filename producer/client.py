@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.connections import async_redis
+from shared.connections import connect_async_redis
 from shared.errors import UnknownModel
 from shared.lm.interface import AsyncLM
 from shared.lm.output_cache import OutputCache
@@ -119,10 +119,12 @@ class QueueLM(SyncFacade, AsyncLM):
             Forbidden: if Redis refuses this user the registry.
         """
         settings = ClientSettings.resolve(settings, redis_url, **overrides)
-        redis = async_redis(settings.redis.url, settings.redis.connect_timeout_s)
+        redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
         cache_redis = redis
         if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-            cache_redis = async_redis(settings.redis.cache_url, settings.redis.connect_timeout_s)
+            cache_redis = await connect_async_redis(
+                settings.redis.cache_url, settings.redis.connect_timeout_s
+            )
         try:
             with redis_boundary(f"connecting to {model!r}"):
                 registry = ModelRegistry(redis, settings.redis.keyspace())

@@ -8,7 +8,8 @@ meanwhile wait in the stream.
 A Redis that restarted without persistence has lost every queued request, and the connection
 pool reconnects to it silently, so no error need ever reach this task. The reader therefore
 watches the server's identity (``INFO server`` ``run_id``, checked in the read pipeline about
-once a second and after every connection error) and, when it changes, asks for every
+once a second and after every connection error; on a Redis Cluster, the run ids of all masters,
+so a failover counts as a restart: see `server_run_id`) and, when it changes, asks for every
 in-flight request to be submitted again. A request answered twice is settled once; a mere
 reconnect to the same server resubmits nothing, so a network blip does not double the backlog.
 
@@ -16,8 +17,9 @@ Claim-check replies (a cache key instead of the vector) of one read are resolved
 a `ClaimResolver`, one MGET on the cache instance; the requests whose keys are gone are handed
 to ``on_claim_missed`` to be asked again for inline replies.
 
-Replies are read through a `RespPipe` where one can connect (not TLS): vectors are received
-straight into the arrays handed out, instead of being copied five times by redis-py.
+Replies are read through a `RespPipe` where one can connect (not TLS; on a cluster a `SlotPipe`
+aims it at the node serving the reply stream): vectors are received straight into the arrays
+handed out, instead of being copied five times by redis-py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.connections import bounded
+from shared.connections import bounded, is_cluster
 from shared.errors import MalformedMessage, Unavailable
 from shared.redis_errors import REDIS_DOWN
 from shared.wire import Reply, decode_reply
@@ -36,6 +38,7 @@ from shared.wire import Reply, decode_reply
 from .claims import ClaimResolver
 from .inflight import InflightTable
 from .resp_pipe import RespPipe
+from .slot_pipe import SlotPipe
 
 __all__ = ["ReplyReader", "server_run_id"]
 
@@ -68,7 +71,15 @@ def _after(entry_id: bytes | str) -> str:
 
 
 async def server_run_id(redis: Any) -> str:
-    """The identity of the Redis process behind `redis`; it changes on every restart."""
+    """The identity of the Redis process behind `redis`; it changes on every restart.
+
+    On a cluster, the run ids of all masters, sorted: a failover (the promoted replica is
+    another process, and may lack what its master had not yet replicated), a master's restart
+    or a new master changes it.
+    """
+    if is_cluster(redis):
+        infos = await redis.info("server", target_nodes=redis.PRIMARIES)
+        return ",".join(sorted(str(info["run_id"]) for info in infos.values()))
     return str((await redis.info("server"))["run_id"])
 
 
@@ -97,9 +108,10 @@ class ReplyReader:
         stall_timeout_s: float = 10.0,
         claims: ClaimResolver | None = None,
         on_claim_missed: Callable[[list[str]], None] | None = None,
-        pipe: RespPipe | None = None,
+        pipe: RespPipe | SlotPipe | None = None,
     ) -> None:
         self.redis = redis
+        self._cluster = is_cluster(redis)
         self.pipe = pipe
         self.stream = stream
         self.inflight = inflight
@@ -158,10 +170,13 @@ class ReplyReader:
 
     async def _read_pipe(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
         assert self.pipe is not None
+        # on a cluster the pipe reaches one node; the masters' identities come through redis-py
+        run_id = await server_run_id(self.redis) if check and self._cluster else None
+        inline_check = check and not self._cluster
         commands: list[tuple[Any, ...]] = []
         if trim is not None:
             commands.append(("XTRIM", self.stream, "MINID", trim))
-        if check:
+        if inline_check:
             commands.append(("INFO", "server"))
         commands.append(("XREAD", "COUNT", self.read_count, "BLOCK", _BLOCK_MS, "STREAMS",
                          self.stream, self._last_id))  # fmt: skip
@@ -169,21 +184,25 @@ class ReplyReader:
         for result in results:
             if isinstance(result, Exception):
                 raise result
-        run_id = _run_id_of(results[-2]) if check else None
+        if inline_check:
+            run_id = _run_id_of(results[-2])
         if not results[-1]:
             return run_id, []
         entries = results[-1][0][1]
         return run_id, [(entry_id, _pairs(fields)) for entry_id, fields in entries]
 
     async def _read_redis_py(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
+        # a cluster pipeline sends commands to their keys' nodes: INFO of every master goes apart
+        run_id = await server_run_id(self.redis) if check and self._cluster else None
         async with self.redis.pipeline(transaction=False) as pipe:
             if trim is not None:
                 pipe.xtrim(self.stream, minid=trim, approximate=False)
-            if check:
+            if check and not self._cluster:
                 pipe.info("server")
             pipe.xread({self.stream: self._last_id}, count=self.read_count, block=_BLOCK_MS)
             results = await pipe.execute()
-        run_id = str(results[-2]["run_id"]) if check else None
+        if check and not self._cluster:
+            run_id = str(results[-2]["run_id"])
         reply = results[-1]
         return run_id, list(reply[0][1]) if reply else []
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.connections import bounded
+from shared.connections import bounded, is_cluster
 from shared.errors import Cancelled, DeadlineExceeded
 from shared.registry import ModelInfo
 from shared.settings import ClientSettings
@@ -36,6 +36,7 @@ from .claims import ClaimResolver
 from .inflight import InflightTable, Pending
 from .reply_reader import ReplyReader
 from .resp_pipe import RespPipe
+from .slot_pipe import SlotPipe
 from .slots import Slots
 from .submitter import Submitter
 
@@ -77,18 +78,27 @@ class RequestChannel:
             if settings.use_shared_cache
             else None
         )
-        self.pipes = [
-            RespPipe(url, settings.redis.connect_timeout_s) if RespPipe.supports(url) else None
-            for url in (settings.redis.url, settings.redis.effective_cache_url)
-        ]
-        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=self.pipes[1])
+        timeout_s, url, cache_url = (settings.redis.connect_timeout_s, settings.redis.url,
+                                     settings.redis.effective_cache_url)  # fmt: skip
+        replies_pipe: RespPipe | SlotPipe | None = None
+        if RespPipe.supports(url):  # on a cluster: aimed at the node of this client's replies
+            replies_pipe = (
+                SlotPipe(redis, keys.replies(self.client_id), url, timeout_s)
+                if is_cluster(redis)
+                else RespPipe(url, timeout_s)
+            )
+        claims_pipe = None  # a cluster's claims span nodes: redis-py splits them per node
+        if RespPipe.supports(cache_url) and not is_cluster(cache_redis):
+            claims_pipe = RespPipe(cache_url, timeout_s)
+        self.pipes = [replies_pipe, claims_pipe]
+        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=claims_pipe)
         bound = settings.max_backlog or info.max_backlog
         admission = Admission(redis, keys.requests(info.name), bound)
         self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
         self.reader = ReplyReader(
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,
             read_count=settings.read_count, run_id=run_id, stall_timeout_s=stall_timeout_s,
-            claims=self.claims, on_claim_missed=self._ask_inline, pipe=self.pipes[0],
+            claims=self.claims, on_claim_missed=self._ask_inline, pipe=replies_pipe,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False

@@ -71,6 +71,12 @@ class RespPipe:
             self.close()
             raise
 
+    def retarget(self, host: str, port: int) -> None:
+        """Speak to the node at `host`:`port` from the next call on (a cluster's other node)."""
+        if (self.options.get("host"), self.options.get("port")) != (host, port):
+            self.close()
+            self.options = {**self.options, "host": host, "port": port}
+
     def close(self) -> None:
         """Drop the connection (idempotent)."""
         if self._protocol is not None:

@@ -18,25 +18,48 @@ TCP connections send each command's pieces with one ``sendmsg`` instead of joini
 worker's reply pipeline is 32 vectors, 6 MB, and Python 3.11's ``writelines`` copies all of it
 into one new buffer first (a fresh mapping, page faults included, under a fixed mmap
 threshold). Python 3.12+ does this itself.
+
+Redis Cluster is a deployment choice, not a flag: `connect_async_redis` and `sync_redis` ask the
+node named by the ordinary ``redis://``/``rediss://`` URL ``INFO cluster`` once, at connect time,
+and return a redis-py cluster client (``RedisCluster``: follows MOVED and ASK, refreshes the slot
+map after a failover) when it says ``cluster_enabled:1``, the plain client otherwise. Nothing
+wraps the plain client, so a single instance pays one round trip at connect and nothing per
+command. The asyncio cluster client's nodes use the vectored connection too; its pipelines
+split per node (``transaction=False`` only: callers that need atomicity use one
+hash slot and a Lua script, see `shared.keys`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import sys
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster as synccluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["async_redis", "sync_redis", "bounded", "tune_socket"]
+__all__ = [
+    "async_redis",
+    "connect_async_redis",
+    "sync_redis",
+    "bounded",
+    "tune_socket",
+    "is_cluster",
+    "cluster_enabled",
+    "multi_get",
+]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 #: Probe an idle connection after 10 s, every 5 s, give up after 3 unanswered probes; give up
 #: on data unacknowledged for 30 s (Linux names; options a platform lacks are left out).
@@ -75,11 +98,82 @@ def async_redis(url: str, connect_timeout_s: float = 5.0) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **_options(connect_timeout_s))
 
 
-def sync_redis(url: str, connect_timeout_s: float = 5.0) -> redis.Redis:
-    """A blocking client of the Redis at `url`."""
+async def connect_async_redis(
+    url: str, connect_timeout_s: float = 5.0
+) -> aioredis.Redis | aiocluster.RedisCluster:
+    """An asyncio client of the Redis at `url`: a cluster client if the node is in a cluster.
+
+    Asks ``INFO cluster`` once. If the node cannot be reached, the plain client is returned
+    as it is (it connects lazily, and callers retry as they did before), with a warning that
+    cluster mode could not be detected.
+    """
+    plain = async_redis(url, connect_timeout_s)
+    try:
+        info = await bounded(plain.info("cluster"), connect_timeout_s + 1, "INFO cluster")
+    except Exception as exc:  # unreachable now: keep today's lazy single-instance behaviour
+        logger.warning("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
+        return plain
+    if not cluster_enabled(info):
+        return plain
+    await plain.aclose()
+    options = _cluster_options(connect_timeout_s)
+    client = aiocluster.RedisCluster.from_url(url, **options)
+    if not url.startswith("rediss://"):
+        # RedisCluster takes no connection class, but every node it discovers (now or after a
+        # failover) is made from these arguments: vectored sends for the worker's pipelines
+        client.nodes_manager.connection_kwargs["connection_class"] = _VectoredConnection
+    await bounded(client.initialize(), connect_timeout_s + 1, "reading the cluster's slots")
+    return client
+
+
+def sync_redis(url: str, connect_timeout_s: float = 5.0) -> redis.Redis | synccluster.RedisCluster:
+    """A blocking client of the Redis at `url`: a cluster client if the node is in a cluster."""
     options = _options(connect_timeout_s)
     del options["connection_class"]  # the blocking client already sends pieces one by one
-    return redis.Redis.from_url(url, **options)
+    plain = redis.Redis.from_url(url, **options)
+    try:
+        info = plain.info("cluster")
+    except redis.RedisError as exc:
+        logger.warning("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
+        return plain
+    if not cluster_enabled(info):
+        return plain
+    plain.close()
+    return synccluster.RedisCluster.from_url(url, **_cluster_options(connect_timeout_s))
+
+
+def cluster_enabled(info: Any) -> bool:
+    """Whether an ``INFO cluster`` reply (parsed or raw) says ``cluster_enabled:1``."""
+    if isinstance(info, dict):
+        return str(info.get("cluster_enabled", 0)) == "1"
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_enabled:1" in text
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether `client` is a redis-py cluster client (asyncio or blocking)."""
+    return isinstance(client, (aiocluster.RedisCluster, synccluster.RedisCluster))
+
+
+def multi_get(client: Any) -> Callable[[Sequence[Any]], Awaitable[list[Any]]]:
+    """The MGET of `client`: one command on a single instance; on a cluster, one MGET per
+    hash slot, pipelined per node, the nodes asked concurrently (redis-py's
+    ``mget_nonatomic``). Chosen once, so a single instance pays nothing per call.
+    """
+    if is_cluster(client):
+        return client.mget_nonatomic
+    return client.mget
+
+
+def _cluster_options(connect_timeout_s: float) -> dict[str, Any]:
+    options = _options(connect_timeout_s)
+    del options["connection_class"]  # cluster nodes make their own connections
+    return options
+
+
+def _where(url: str) -> str:
+    """`url` without credentials, for logs."""
+    return url.rsplit("@", 1)[-1]
 
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16

@@ -6,11 +6,11 @@ need no new layout later; the single-tenant default is ``default``. Keys that de
 served to everyone (its registry entry, tokenizer, vocabulary, live workers) carry no tenant.
 
     lmq:models                                    set of published model names
-    lmq:model:<model>:info                        msgpack map: revision, vocab size, context, ...
-    lmq:model:<model>:tokenizer                   the tokenizer's JSON (tokenizers library)
-    lmq:model:<model>:vocab                       msgpack list of every token's bytes
-    lmq:model:<model>:workers                     zset: worker name -> last heartbeat (ms)
-    lmq:model:<model>:worker:<worker>             hash: one worker's stats for `lmq status`
+    lmq:model:{<model>}:info                      msgpack map: revision, vocab size, context, ...
+    lmq:model:{<model>}:tokenizer                 the tokenizer's JSON (tokenizers library)
+    lmq:model:{<model>}:vocab                     msgpack list of every token's bytes
+    lmq:model:{<model>}:workers                   zset: worker name -> last heartbeat (ms)
+    lmq:model:{<model>}:worker:<worker>           hash: one worker's stats for `lmq status`
                                                   (shared/worker_stats.py; expires)
     lmq:<tenant>:model:<model>:requests           request stream (consumer group "workers")
     lmq:<tenant>:model:<model>:dead               dead-letter stream
@@ -22,6 +22,23 @@ served to everyone (its registry entry, tokenizer, vocabulary, live workers) car
     lmq:<tenant>:exp:{<tenant>:<id>}:results      list of result rows (JSON), same slot
     lmq:_sched:running:<tenant>                   zset: the tenant's running experiments (leases)
     lmq:_sched:queue                              the scheduler's arq queue (arq:* keys are arq's)
+
+Redis Cluster hashes only the text between the first ``{`` and the next ``}`` of a key (a hash
+tag), and refuses multi-key commands, transactions and Lua scripts whose keys span slots
+(CROSSSLOT). Names cannot contain braces (`validate_name`), so the only tags are these:
+
+- ``{<model>}`` in the four registry keys of a model (info, tokenizer, vocab, workers): a worker
+  publishes info, tokenizer and vocabulary in one Lua script (`shared.registry`), so a client
+  never reads a new revision's info beside an old tokenizer. ``lmq:models`` is written after
+  it, on its own (a set that names every model cannot share every model's slot).
+- ``{<tenant>:<id>}`` in an experiment's record and results: a checkpoint writes both in one
+  Lua script (`scheduler.context`).
+- Every other command touches one key at a time (the admission script, the janitor's scripts,
+  XREADGROUP of one stream) or is a non-atomic pipeline, which redis-py splits per node.
+- Cache keys carry no tag on purpose: their digests spread them over all 16,384 slots, so the
+  cache's memory and bandwidth grow with the number of masters. Multi-key reads of them (the
+  shared cache's and the claim resolver's MGET) are split per node and sent concurrently in
+  cluster mode (`shared.connections.multi_get`).
 """
 
 from __future__ import annotations
@@ -88,23 +105,23 @@ class KeySpace:
 
     def model_info(self, model: str) -> str:
         """The model's published metadata."""
-        return f"{self.prefix}:model:{model}:info"
+        return f"{self.prefix}:model:{{{model}}}:info"
 
     def model_tokenizer(self, model: str) -> str:
         """The model's tokenizer as tokenizers-library JSON."""
-        return f"{self.prefix}:model:{model}:tokenizer"
+        return f"{self.prefix}:model:{{{model}}}:tokenizer"
 
     def model_vocab(self, model: str) -> str:
         """The model's byte vocabulary."""
-        return f"{self.prefix}:model:{model}:vocab"
+        return f"{self.prefix}:model:{{{model}}}:vocab"
 
     def model_workers(self, model: str) -> str:
         """The zset of live workers of the model, scored by last heartbeat (ms)."""
-        return f"{self.prefix}:model:{model}:workers"
+        return f"{self.prefix}:model:{{{model}}}:workers"
 
     def worker_stats(self, model: str, worker: str) -> str:
         """The hash of one worker's recent figures (what it serves, batches/s), for operators."""
-        return f"{self.prefix}:model:{model}:worker:{worker}"
+        return f"{self.prefix}:model:{{{model}}}:worker:{worker}"
 
     # -- per tenant ----------------------------------------------------------------------------
     def requests(self, model: str) -> str:

@@ -19,8 +19,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from redis.exceptions import (
+    ClusterError,
+    NoPermissionError,
+    RedisError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import Busy, Forbidden, LMQueueError, Unavailable
@@ -28,12 +35,17 @@ from .errors import Busy, Forbidden, LMQueueError, Unavailable
 __all__ = ["REDIS_DOWN", "REDIS_TROUBLE", "redis_boundary", "translate"]
 
 #: What "Redis cannot be reached right now" looks like: retry on a new connection, later.
-#: (redis-py's BusyLoadingError, a server still loading its data, is a ConnectionError.)
+#: (redis-py's BusyLoadingError, a server still loading its data, is a ConnectionError.) On a
+#: Redis Cluster also: CLUSTERDOWN/MASTERDOWN while a failover runs, TRYAGAIN during a
+#: resharding, a slot no node serves yet, and redis-py giving up on redirections (ClusterError).
 REDIS_DOWN: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     ConnectionError,
     OSError,
+    ClusterError,
+    TryAgainError,
+    SlotNotCoveredError,
 )
 
 #: Down, or refusing a command for now (NOGROUP after a restart emptied the server): what a

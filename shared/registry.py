@@ -65,24 +65,39 @@ class ModelInfo:
         return info
 
 
+#: Info, tokenizer and vocabulary change together (one hash slot in a cluster, `shared.keys`).
+_PUBLISH = """
+for i = 1, 3 do
+  redis.call('SET', KEYS[i], ARGV[i])
+end
+return 1
+"""
+
+
 class ModelRegistry:
     """Reads and writes the registry keys of `KeySpace` on one Redis connection."""
 
     def __init__(self, redis: Any, keys: KeySpace) -> None:
         self._redis = redis
         self._keys = keys
+        self._publish = redis.register_script(_PUBLISH)
 
     async def publish(
         self, info: ModelInfo, tokenizer_files: dict[str, bytes], byte_vocab: list[bytes]
     ) -> None:
         """Publish everything a client needs to use `info.name`."""
         keys, name = self._keys, info.name
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.model_info(name), info.to_bytes())
-            pipe.set(keys.model_tokenizer(name), msgpack.packb(tokenizer_files, use_bin_type=True))
-            pipe.set(keys.model_vocab(name), msgpack.packb(list(byte_vocab), use_bin_type=True))
-            pipe.sadd(keys.models(), name)
-            await pipe.execute()
+        await self._publish(
+            keys=[keys.model_info(name), keys.model_tokenizer(name), keys.model_vocab(name)],
+            args=[
+                info.to_bytes(),
+                msgpack.packb(tokenizer_files, use_bin_type=True),
+                msgpack.packb(list(byte_vocab), use_bin_type=True),
+            ],
+        )
+        # After the entry: a model listed in lmq:models is always readable. A set that names
+        # every model cannot share each model's hash slot, so this is a command of its own.
+        await self._redis.sadd(keys.models(), name)
 
     async def is_published(self, name: str) -> bool:
         """Whether the model's info key exists (it vanishes when Redis restarts empty)."""

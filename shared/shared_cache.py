@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .connections import bounded
+from .connections import bounded, multi_get
 from .keys import KeySpace
 
 __all__ = ["SharedCache", "logprobs_kind"]
@@ -37,6 +37,7 @@ class SharedCache:
     ) -> None:
         self.redis = redis
         self.timeout_s = timeout_s
+        self._mget = multi_get(redis)  # split per node on a cluster
         self._keys = keys
         self._model = model
         self._revision = revision
@@ -52,7 +53,7 @@ class SharedCache:
         if not keys:
             return []
         try:
-            return list(await bounded(self.redis.mget(keys), self.timeout_s, "shared cache read"))
+            return list(await bounded(self._mget(keys), self.timeout_s, "shared cache read"))
         except Exception as exc:  # the cache is an optimisation; never fail a request on it
             logger.warning("shared cache read failed: %s", exc)
             return [None] * len(keys)

@@ -11,6 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
 
 SMOL = "smollm2-135m"
@@ -43,6 +44,26 @@ def redis_url(redis_server: LocalRedis) -> str:
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """One Redis Cluster for the test session (3 masters, a replica each), started on first use."""
+    with LocalCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: LocalCluster) -> str:
+    """The URL of one node of the session cluster, every master flushed before the test."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture(params=["single", pytest.param("cluster", marks=pytest.mark.cluster)])
+def any_redis_url(request: pytest.FixtureRequest) -> str:
+    """A flushed single instance, then a flushed cluster: the test runs against both."""
+    return str(request.getfixturevalue("redis_url" if request.param == "single" else "cluster_url"))
 
 
 @pytest.fixture

@@ -50,6 +50,22 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
     assert last.startswith("transport ratio lmqueue/raw-probe: float16")
 
 
+@pytest.mark.cluster
+def test_cluster_benchmark_compares_one_instance_with_a_cluster_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--dtypes float16 --concurrency 32 --warmup-s 0.3 --measure-s 1"
+    assert bench_main(["cluster", *flags.split(), "--out-dir", str(tmp_path)]) == 0
+    result = _result(tmp_path, "cluster")
+    single, cluster = result["figures"]["float16.single"], result["figures"]["float16.cluster"]
+    assert single["replies"] > 0 and cluster["replies"] > 0
+    assert set(single["cpu_us_per_reply"]) == {"client", "worker", "redis"}
+    assert set(cluster["cpu_us_per_reply"]) == {"client", "worker", "redis", "replicas"}
+    assert set(result["ratios"]) == {"float16.replies", "float16.cpu"}
+    assert all(ratio > 0 for ratio in result["ratios"].values())
+    assert _last_line(capsys.readouterr().out).startswith("cluster (3 masters) / single instance")
+
+
 def test_cache_benchmark_answers_every_timed_call_from_the_shared_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

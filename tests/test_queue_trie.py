@@ -28,9 +28,9 @@ def backend(smol_tokenizer):
 
 
 @pytest.fixture
-async def queue_trie(backend, redis_url):
-    served = ThreadedWorker(backend, redis_url, masses=TrieMasses(backend.byte_vocab)).start()
-    lm = await QueueLM.connect("mock", redis_url=redis_url)
+async def queue_trie(backend, any_redis_url):
+    served = ThreadedWorker(backend, any_redis_url, masses=TrieMasses(backend.byte_vocab)).start()
+    lm = await QueueLM.connect("mock", redis_url=any_redis_url)
     yield await QueueTrie.create(lm)
     await lm.close()
     served.stop()

@@ -11,7 +11,7 @@ import asyncio
 import threading
 from typing import Any
 
-from shared.connections import async_redis
+from shared.connections import connect_async_redis
 from shared.lm.interface import AsyncLM
 from shared.settings import RedisSettings, WorkerSettings
 from workers.worker import Worker
@@ -52,7 +52,7 @@ class ThreadedWorker:
             self._loop.close()
 
     async def _serve(self) -> None:
-        redis = async_redis(self.settings.redis.url)
+        redis = await connect_async_redis(self.settings.redis.url)
         self._stop = asyncio.Event()
         self.worker = Worker(self.settings, self.backend, redis, masses=self.masses)
         await self.worker.publish()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from shared.connections import async_redis
+from shared.connections import connect_async_redis
 from shared.errors import SettingsError
 from shared.failures import report_failure
 from shared.redis_errors import redis_boundary
@@ -112,10 +112,12 @@ async def _serve(
 ) -> None:
     logger.info("loading %s backend for %s", settings.backend, settings.model)
     backend = await asyncio.to_thread(load_backend, settings)
-    redis = async_redis(settings.redis.url, settings.redis.connect_timeout_s)
+    redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
     cache_redis = None
     if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-        cache_redis = async_redis(settings.redis.cache_url, settings.redis.connect_timeout_s)
+        cache_redis = await connect_async_redis(
+            settings.redis.cache_url, settings.redis.connect_timeout_s
+        )
     try:
         with redis_boundary(f"worker {settings.name}"):
             worker = Worker(

@@ -13,6 +13,9 @@ each fresh result travels, writes everything, and only then acknowledges:
   more request; claim-checks then pause for a minute rather than repeat it.
 - Everything else (replies, dead letters, acks) is written in one pipeline, retried while
   Redis is down; entries stay pending if it never comes back, for a janitor to reclaim.
+- On a Redis Cluster a pipeline's commands go to their keys' nodes concurrently, so order
+  holds only per node: cache entries are written first (as for a separate cache instance),
+  and acknowledgements after the replies, in a pipeline of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from collections.abc import Container
 from typing import Any
 
-from shared.connections import bounded
+from shared.connections import bounded, is_cluster
 from shared.keys import KeySpace
 from shared.redis_errors import REDIS_DOWN
 from shared.settings import WorkerSettings
@@ -60,11 +63,13 @@ class ReplyWriter:
         self.cache = cache
         self.metrics = metrics
         self.claims_paused_until = 0.0
+        self._cluster = is_cluster(redis)
 
     async def flush(self, outcome: Outcome, attempts: int = 20) -> None:
         """Write `outcome`; retry while Redis is down, then leave its entries pending."""
         cache = self.cache
-        if outcome.cache_puts and cache is not None and cache.redis is not self.redis:
+        apart = cache is not None and (cache.redis is not self.redis or self._cluster)
+        if outcome.cache_puts and cache is not None and apart:
             stored = await cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
             puts = zip(outcome.cache_puts, stored, strict=True)
             self._settle_claims(outcome, {key for (key, _), ok in puts if ok})
@@ -124,9 +129,16 @@ class ReplyWriter:
                 # an archive for operators, not a queue: capped, unlike the request stream
                 pipe.xadd(dead_stream, dead, maxlen=self.settings.max_dead_letters or None,
                           approximate=True)  # fmt: skip
-            self.stream.ack(pipe, outcome.acks)
+            if not self._cluster:
+                self.stream.ack(pipe, outcome.acks)
             results = await pipe.execute(raise_on_error=False)
         self._check_written(results, len(puts))
+        if self._cluster and outcome.acks:  # only once every reply is written, on any node
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self.stream.ack(pipe, outcome.acks)
+                for result in await pipe.execute(raise_on_error=False):
+                    if isinstance(result, Exception):
+                        raise result
 
     def _claims_allowed(self) -> bool:
         return time.monotonic() >= self.claims_paused_until

@@ -25,9 +25,10 @@ BENCHMARKS = {
     "memory": "lmqueue.bench.memory",
     "trie": "lmqueue.bench.trie",
     "programs": "lmqueue.bench.programs",
+    "cluster": "lmqueue.bench.cluster",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
-ALL_ORDER = ["transport", "cache", "scaling", "model", "memory", "trie", "programs"]
+ALL_ORDER = ["transport", "cache", "scaling", "cluster", "model", "memory", "trie", "programs"]
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]
 

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from producer import QueueLM
-from shared.connections import async_redis
+from shared.connections import connect_async_redis
 from shared.registry import ModelRegistry
 from shared.settings import ClientSettings, RedisSettings
 
@@ -116,7 +116,7 @@ async def wait_for_workers(
     redis_url: str, model: str, workers: Sequence[WorkerProcess], timeout_s: float = 300
 ) -> None:
     """Wait until every one of `workers` has sent a heartbeat for `model`."""
-    redis = async_redis(redis_url)
+    redis = await connect_async_redis(redis_url)  # a cluster client on a cluster node
     registry = ModelRegistry(redis, RedisSettings(url=redis_url).keyspace())
     names = {w.name for w in workers}
     deadline = time.monotonic() + timeout_s

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
+from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
 from lmqueue.worker_processes import WorkerProcess
+from shared.connections import sync_redis
 from workers.backends.mock import MockAsyncLM
 
 from .harness import KEYS, MODEL, Figures
@@ -34,6 +35,13 @@ def fault_redis() -> Iterator[LocalRedis]:
     """A redis-server of this test's own: tests kill and restart it."""
     with LocalRedis() as server:
         yield server
+
+
+@pytest.fixture
+def fault_cluster() -> Iterator[LocalCluster]:
+    """A Redis Cluster of this test's own (3 masters, a replica each): tests kill and reshard it."""
+    with LocalCluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +84,7 @@ class WorkerPool:
     def wait_live(redis_url: str, workers: list[WorkerProcess], timeout_s: float = 90) -> None:
         """Block until every worker has beaten its heartbeat since now."""
         since_ms = int(time.time() * 1000)
-        client = redis.Redis.from_url(redis_url)
+        client = sync_redis(redis_url)  # a cluster client where `redis_url` is a cluster node
         deadline = time.monotonic() + timeout_s
         try:
             while True:

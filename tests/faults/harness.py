@@ -21,6 +21,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from producer import QueueLM
+from shared.connections import connect_async_redis
 from shared.errors import Cancelled, DeadlineExceeded
 from shared.keys import WORKER_GROUP, KeySpace
 from shared.settings import ClientSettings, RedisSettings
@@ -185,7 +186,7 @@ async def connect(url: str, **settings: Any):
 @asynccontextmanager
 async def probe(url: str):
     """A plain asyncio client for looking at Redis from the test."""
-    client = aioredis.Redis.from_url(url)
+    client = await connect_async_redis(url)  # a cluster client where `url` is a cluster node
     try:
         yield client
     finally:

@@ -37,6 +37,8 @@ class MockAsyncLM(AsyncLM):
             (``os._exit(1)``), as a segfaulting kernel would; for fault tests only.
         oom_batch_size: batches of more prompts than this fail with `torch.OutOfMemoryError`,
             as a GPU runs out of memory on a batch too large (for fault tests).
+        vector_size: the length of every vector, past the vocabulary's (0: the vocabulary's), to
+            move vectors of a larger model's size in benchmarks.
         distinct_vectors: when > 0, that many vectors are computed once and each prompt gets
             the one its digest picks (still deterministic), so a call costs no CPU beyond the
             digest: transport and scaling benchmarks then measure the queue, not the mock.
@@ -53,11 +55,17 @@ class MockAsyncLM(AsyncLM):
         distinct_vectors: int = 0,
         crash_token: int | None = None,
         oom_batch_size: int | None = None,
+        vector_size: int = 0,
         **vocab: Any,
     ) -> None:
         super().__init__(tokenizer, **vocab)
         if distinct_vectors < 0:
             raise ValueError(f"distinct_vectors={distinct_vectors!r}: must be >= 0")
+        if vector_size and vector_size < self.vocab_size:
+            raise ValueError(
+                f"vector_size={vector_size!r}: below the vocabulary's {self.vocab_size}"
+            )
+        self._vector_size = vector_size or self.vocab_size
         self.batch_delay_s = batch_delay_s
         self.poison_token = poison_token
         self.crash_token = crash_token
@@ -69,8 +77,9 @@ class MockAsyncLM(AsyncLM):
 
     #: lmqueue's own options of `from_name`; see workers.backends.options.
     OPTIONS = frozenset(
-        {"batch_delay_s", "poison_token", "distinct_vectors", "crash_token", "oom_batch_size"}
-    )
+        {"batch_delay_s", "poison_token", "distinct_vectors", "crash_token", "oom_batch_size",
+         "vector_size"}
+    )  # fmt: skip
 
     @classmethod
     def from_name(
@@ -92,6 +101,12 @@ class MockAsyncLM(AsyncLM):
     def revision(self) -> str:
         return "mock-v1"
 
+    @property
+    def vector_size(self) -> int:
+        """The vocabulary's size, or the ``vector_size`` option: rows past the vocabulary are
+        padding that never comes up (-inf), as in models whose output layer is padded."""
+        return self._vector_size
+
     def logprobs_of(self, token_ids: Sequence[int]) -> torch.Tensor:
         """The deterministic log-probability vector of one prompt."""
         ids = self.check_prompt(token_ids)
@@ -103,8 +118,12 @@ class MockAsyncLM(AsyncLM):
 
     def _vector_of_seed(self, seed: int) -> torch.Tensor:
         rng = np.random.default_rng(seed)
-        logits = torch.from_numpy(rng.standard_normal(self.vector_size, dtype=np.float32) * 3)
-        return torch.log_softmax(logits, dim=-1)
+        logits = torch.from_numpy(rng.standard_normal(self.vocab_size, dtype=np.float32) * 3)
+        vector = torch.log_softmax(logits, dim=-1)
+        if self.vector_size == self.vocab_size:
+            return vector
+        padding = torch.full((self.vector_size - self.vocab_size,), -torch.inf)
+        return torch.cat([vector, padding])
 
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None

@@ -73,10 +73,13 @@ class WorkerStats:
 async def write_worker_stats(
     redis: Any, keys: KeySpace, worker: str, stats: WorkerStats, ttl_s: int
 ) -> None:
-    """Replace `worker`'s stats hash and let it expire after `ttl_s` without renewal."""
+    """Write `worker`'s stats hash (every field, each time) and let it expire after `ttl_s`.
+
+    A plain pipeline, not MULTI: redis-py's cluster client refuses transactions, and a reader
+    between the two commands sees a complete hash either way.
+    """
     key = keys.worker_stats(stats.model, worker)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.delete(key)
+    async with redis.pipeline(transaction=False) as pipe:
         pipe.hset(key, mapping=stats.to_fields())
         pipe.expire(key, ttl_s)
         await pipe.execute()

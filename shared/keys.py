@@ -14,6 +14,12 @@ served to everyone (its registry entry, tokenizer, vocabulary, live workers) car
     lmq:<tenant>:model:<model>:dead               dead-letter stream
     lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
     lmq:<tenant>:cache:<model>:<rev>:<kind>:<digest>   one cached result vector
+    lmq:tenants                                   hash: tenant -> JSON config (operator writes)
+    lmq:<tenant>:model:{<model>}:quota            hash of the tenant's limits (workers mirror)
+    lmq:<tenant>:model:{<model>}:rate             token-rate bucket (the admission script)
+
+`{...}` is a Redis Cluster hash tag: a tenant's keys of one model share that model's slot.
+`KeyPatterns` gives the same layout as ACL glob patterns, for one tenant or for all.
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from dataclasses import dataclass
 
 from .errors import InvalidName
 
-__all__ = ["KeySpace", "WORKER_GROUP", "validate_name", "validate_client_id", "token_digest"]
+__all__ = [
+    "KeySpace",
+    "KeyPatterns",
+    "WORKER_GROUP",
+    "validate_name",
+    "validate_client_id",
+    "token_digest",
+]
 
 #: The consumer group every worker of a model joins on its request stream.
 WORKER_GROUP = "workers"
@@ -87,6 +100,10 @@ class KeySpace:
         """The zset of live workers of the model, scored by last heartbeat (ms)."""
         return f"{self.prefix}:model:{model}:workers"
 
+    def tenants(self) -> str:
+        """The hash of tenant name -> JSON config, written by the operator (``lmq tenant``)."""
+        return f"{self.prefix}:tenants"
+
     # -- per tenant ----------------------------------------------------------------------------
     def requests(self, model: str) -> str:
         """The model's request stream."""
@@ -104,3 +121,65 @@ class KeySpace:
         """The shared-cache key of one result: model, revision, result kind, exact tokens."""
         digest = token_digest(token_bytes)
         return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{digest}"
+
+    def quota(self, model: str) -> str:
+        """The tenant's limits for the model (hash), read by its admission script."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:quota"
+
+    def rate(self, model: str) -> str:
+        """The tenant's token-rate bucket for the model, written by its admission script."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:rate"
+
+
+@dataclass(frozen=True)
+class KeyPatterns:
+    """The key layout as ACL glob patterns: one tenant's keys, or every tenant's (``"*"``).
+
+    Names never hold a glob character (`validate_name`), so a tenant's patterns begin with
+    ``<prefix>:<tenant>:`` and match no other tenant's keys.
+    """
+
+    prefix: str = "lmq"
+    tenant: str = "*"
+
+    def __post_init__(self) -> None:
+        validate_name("prefix", self.prefix)
+        if self.tenant != "*":
+            validate_name("tenant", self.tenant)
+
+    def registry(self) -> list[str]:
+        """What clients read to use a model: the model set, info, tokenizer, vocabulary."""
+        model = f"{self.prefix}:model:*"
+        return [f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab"]
+
+    def registry_all(self) -> list[str]:
+        """Every registry key, the workers' live sets included (what workers write)."""
+        return [f"{self.prefix}:models", f"{self.prefix}:model:*"]
+
+    def tenants(self) -> str:
+        """The tenants hash."""
+        return f"{self.prefix}:tenants"
+
+    def requests(self) -> str:
+        """Request streams of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:requests"
+
+    def quota(self) -> str:
+        """Quota hashes of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:quota"
+
+    def rate(self) -> str:
+        """Rate buckets of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:rate"
+
+    def dead_letters(self) -> str:
+        """Dead-letter streams of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:dead"
+
+    def replies(self) -> str:
+        """Reply streams of every client."""
+        return f"{self.prefix}:{self.tenant}:client:*:replies"
+
+    def cache(self, namespace: str | None = None) -> str:
+        """Cached vectors of one cache namespace (default: the tenant's own; ``*``: all)."""
+        return f"{self.prefix}:{namespace or self.tenant}:cache:*"

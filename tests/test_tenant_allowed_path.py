@@ -1,0 +1,73 @@
+"""The allowed path works with nothing but ACL credentials: a tenant's client, the workers' user.
+
+The worker runs as `lmq-worker`, the client as tenant `alice`: connect, next-token calls (inline
+replies, claim-checks fetched through `RespPipe` with AUTH user password, shared-cache hits)
+and trie masses through `QueueTrie`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import torch
+
+from lmqueue.tenant_admin import TenantAdmin
+from producer import QueueLM, QueueTrie
+from shared.settings import ClientSettings, RedisSettings
+from shared.tenants import TenantConfig
+from workers.backends.mock import MockAsyncLM
+from workers.masses import TrieMasses
+from workers_in_threads import ThreadedWorker
+
+
+@dataclass
+class Urls:
+    alice: str
+    worker: str
+
+
+@pytest.fixture
+def urls(redis_url: str) -> Iterator[Urls]:
+    admin = redis.Redis.from_url(redis_url)
+    tenant_admin = TenantAdmin(admin, redis_url)
+    yield Urls(tenant_admin.add(TenantConfig("alice")), tenant_admin.worker_user())
+    admin.execute_command("ACL", "DELUSER", "alice", "lmq-worker")
+    admin.close()
+
+
+@pytest.fixture
+def backend(smol_tokenizer: object) -> MockAsyncLM:
+    return MockAsyncLM(smol_tokenizer)
+
+
+@pytest.fixture
+async def alice_lm(urls: Urls, backend: MockAsyncLM) -> AsyncIterator[QueueLM]:
+    worker_redis = RedisSettings(url=urls.worker, tenant="alice")
+    masses = TrieMasses(backend.byte_vocab)
+    served = ThreadedWorker(backend, urls.worker, masses=masses, redis=worker_redis).start()
+    settings = ClientSettings(redis=RedisSettings(url=urls.alice, tenant="alice"))
+    lm = await QueueLM.connect("mock", settings=settings)
+    yield lm
+    await lm.close()
+    served.stop()
+
+
+async def test_a_tenant_calls_and_gets_trie_masses_with_its_credentials_only(
+    alice_lm: QueueLM, backend: MockAsyncLM
+) -> None:
+    assert alice_lm.reader.pipe is not None  # replies through RespPipe, authenticated as alice
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    rows = await alice_lm.batch_next_token_logprobs(prompts)
+    for row, prompt in zip(rows, prompts, strict=True):
+        torch.testing.assert_close(row, backend.logprobs_of(prompt).float())
+    assert alice_lm.claims.resolved >= 1  # claim-checks fetched from alice's cache namespace
+    trie = await QueueTrie.create(alice_lm)
+    masses = await trie.mass_sum([1, 2, 3])
+    assert masses[0] == pytest.approx(1.0, abs=1e-5)
+    alice_lm.clear_cache()
+    again = await alice_lm.next_token_logprobs([1, 2, 3])
+    torch.testing.assert_close(again, rows[0])
+    assert alice_lm.submitter.cache_hits >= 1  # a shared-cache hit, read as alice

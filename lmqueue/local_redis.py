@@ -7,7 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["LocalRedis", "free_port"]
@@ -56,8 +56,8 @@ class LocalRedis:
         """The redis:// URL of database 0."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        """Start the server and wait until it answers PING."""
+    def start(self, timeout_s: float = 10.0, ready: Callable[[], bool] | None = None) -> LocalRedis:
+        """Start the server and wait until it answers PING (or until `ready()` is true)."""
         args = [
             self.binary,
             "--bind",
@@ -84,7 +84,7 @@ class LocalRedis:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode() if self.process.stderr else ""
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}")
-            if self._answers_ping():
+            if (ready or self._answers_ping)():
                 return self
             time.sleep(0.02)
         self.stop()

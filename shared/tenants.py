@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import InvalidName, SettingsError
 from .keys import KeyPatterns
 
 __all__ = [
@@ -56,11 +57,11 @@ _CONNECTION = ["+ping", "+hello", "+info|server"]
 def validate_tenant(name: str) -> str:
     """Return `name` if it may name a tenant (and its ACL user), else raise ValueError."""
     if not isinstance(name, str) or not _TENANT.match(name):
-        raise ValueError(
+        raise InvalidName(
             f"invalid tenant name {name!r}: 1-63 of a-z 0-9 _ -, starting with a letter or digit"
         )
     if name in _RESERVED:
-        raise ValueError(f"tenant name {name!r} is reserved")
+        raise InvalidName(f"tenant name {name!r} is reserved")
     return name
 
 
@@ -70,8 +71,8 @@ def validate_cache_namespace(namespace: str) -> str:
         return namespace
     try:
         return validate_tenant(namespace)
-    except ValueError:
-        raise ValueError(
+    except InvalidName:
+        raise InvalidName(
             f"invalid cache namespace {namespace!r}: a tenant name or pool.<name>"
         ) from None
 
@@ -121,14 +122,14 @@ class TenantConfig:
         """Parse a stored record; fields this version does not know are kept, not dropped.
 
         Raises:
-            ValueError: if the record is not a JSON object of valid values.
+            SettingsError: if the record is not a JSON object of valid values.
         """
         try:
             record = json.loads(raw)
         except ValueError as exc:
-            raise ValueError(f"tenant {name!r}: config is not JSON: {exc}") from None
+            raise SettingsError(f"tenant {name!r}: config is not JSON: {exc}") from None
         if not isinstance(record, dict):
-            raise ValueError(f"tenant {name!r}: config is not a JSON object")
+            raise SettingsError(f"tenant {name!r}: config is not a JSON object")
         known = {"weight", "max_inflight", "max_tokens_per_s", "cache_namespace"}
         extra = {k: v for k, v in record.items() if k not in known}
         values = {k: v for k, v in record.items() if k in known}
@@ -143,9 +144,9 @@ class TenantConfig:
 def _check_number(name: str, value: Any, positive: bool = False, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite {'integer' if integer else 'number'}: {value!r}")
+        raise SettingsError(f"{name} must be a finite {'integer' if integer else 'number'}: {value!r}")
     if value < 0 or (positive and value <= 0):
-        raise ValueError(f"{name} must be {'positive' if positive else '>= 0'}: {value!r}")
+        raise SettingsError(f"{name} must be {'positive' if positive else '>= 0'}: {value!r}")
 
 
 def quota_fields(config: TenantConfig) -> dict[str, str]:

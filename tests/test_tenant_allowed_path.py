@@ -58,16 +58,16 @@ async def alice_lm(urls: Urls, backend: MockAsyncLM) -> AsyncIterator[QueueLM]:
 async def test_a_tenant_calls_and_gets_trie_masses_with_its_credentials_only(
     alice_lm: QueueLM, backend: MockAsyncLM
 ) -> None:
-    assert alice_lm.reader.pipe is not None  # replies through RespPipe, authenticated as alice
+    assert alice_lm.channel.reader.pipe is not None  # replies through RespPipe, authenticated as alice
     prompts = [[1, 2, 3], [4, 5], [6]]
     rows = await alice_lm.batch_next_token_logprobs(prompts)
     for row, prompt in zip(rows, prompts, strict=True):
         torch.testing.assert_close(row, backend.logprobs_of(prompt).float())
-    assert alice_lm.claims.resolved >= 1  # claim-checks fetched from alice's cache namespace
+    assert alice_lm.channel.claims.resolved >= 1  # claim-checks fetched from alice's cache namespace
     trie = await QueueTrie.create(alice_lm)
     masses = await trie.mass_sum([1, 2, 3])
     assert masses[0] == pytest.approx(1.0, abs=1e-5)
     alice_lm.clear_cache()
     again = await alice_lm.next_token_logprobs([1, 2, 3])
     torch.testing.assert_close(again, rows[0])
-    assert alice_lm.submitter.cache_hits >= 1  # a shared-cache hit, read as alice
+    assert alice_lm.channel.submitter.cache_hits >= 1  # a shared-cache hit, read as alice

@@ -73,13 +73,13 @@ async def test_over_tls_with_passwords_the_client_falls_back_to_redis_py_and_wor
     tls_lm: tuple[QueueLM, MockAsyncLM],
 ) -> None:
     lm, backend = tls_lm
-    assert lm.reader.pipe is None and lm.claims.pipe is None  # the redis-py fallback
+    assert lm.channel.reader.pipe is None and lm.channel.claims.pipe is None  # the redis-py fallback
     prompts = [[1, 2, 3], [9, 8]]
     rows = await lm.batch_next_token_logprobs(prompts)
     for row, prompt in zip(rows, prompts, strict=True):
         torch.testing.assert_close(row, backend.logprobs_of(prompt).float())
-    assert lm.claims.resolved >= 1  # claim-checks fetched over TLS as alice
-    assert lm.reader.replies_read >= 2
+    assert lm.channel.claims.resolved >= 1  # claim-checks fetched over TLS as alice
+    assert lm.channel.reader.replies_read >= 2
 
 
 async def test_resp_pipe_authenticates_as_a_user(redis_url: str) -> None:

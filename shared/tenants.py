@@ -55,7 +55,7 @@ _CONNECTION = ["+ping", "+hello", "+info|server"]
 
 
 def validate_tenant(name: str) -> str:
-    """Return `name` if it may name a tenant (and its ACL user), else raise ValueError."""
+    """Return `name` if it may name a tenant (and its ACL user), else raise `InvalidName`."""
     if not isinstance(name, str) or not _TENANT.match(name):
         raise InvalidName(
             f"invalid tenant name {name!r}: 1-63 of a-z 0-9 _ -, starting with a letter or digit"
@@ -144,7 +144,8 @@ class TenantConfig:
 def _check_number(name: str, value: Any, positive: bool = False, integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        raise SettingsError(f"{name} must be a finite {'integer' if integer else 'number'}: {value!r}")
+        kind = "integer" if integer else "number"
+        raise SettingsError(f"{name} must be a finite {kind}: {value!r}")
     if value < 0 or (positive and value <= 0):
         raise SettingsError(f"{name} must be {'positive' if positive else '>= 0'}: {value!r}")
 

@@ -58,12 +58,12 @@ async def alice_lm(urls: Urls, backend: MockAsyncLM) -> AsyncIterator[QueueLM]:
 async def test_a_tenant_calls_and_gets_trie_masses_with_its_credentials_only(
     alice_lm: QueueLM, backend: MockAsyncLM
 ) -> None:
-    assert alice_lm.channel.reader.pipe is not None  # replies through RespPipe, authenticated as alice
+    assert alice_lm.channel.reader.pipe is not None  # RespPipe, AUTH as alice
     prompts = [[1, 2, 3], [4, 5], [6]]
     rows = await alice_lm.batch_next_token_logprobs(prompts)
     for row, prompt in zip(rows, prompts, strict=True):
         torch.testing.assert_close(row, backend.logprobs_of(prompt).float())
-    assert alice_lm.channel.claims.resolved >= 1  # claim-checks fetched from alice's cache namespace
+    assert alice_lm.channel.claims.resolved >= 1  # from alice's cache namespace
     trie = await QueueTrie.create(alice_lm)
     masses = await trie.mass_sum([1, 2, 3])
     assert masses[0] == pytest.approx(1.0, abs=1e-5)

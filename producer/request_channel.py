@@ -52,6 +52,8 @@ class RequestChannel:
         run_id: the queue server's run id at connect time, to notice a restart.
         on_restart: called (on the loop) after a Redis restart, once everything in flight has
             been queued again.
+        cache_namespace: whose cached vectors to read (the operator's choice for the tenant,
+            mirrored into its quota hash); empty: the tenant's own.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class RequestChannel:
         cache_redis: Any,
         run_id: str | None = None,
         on_restart: Callable[[], None] | None = None,
+        cache_namespace: str = "",
     ) -> None:
         self.settings = settings
         self.client_id = uuid.uuid4().hex[:16]
@@ -69,11 +72,15 @@ class RequestChannel:
         self.cache_redis = cache_redis
         self._on_restart_hook = on_restart
         keys = settings.redis.keyspace()
+        if cache_namespace:
+            keys = keys.for_tenant(keys.tenant, cache_namespace)
         stall_timeout_s = settings.redis.stall_timeout_s
         self.slots = Slots(settings.max_inflight)
         self.inflight = InflightTable(self.client_id, on_settled=self.slots.release)
         shared = (
-            SharedCache(cache_redis, keys, info.name, info.revision, stall_timeout_s)
+            SharedCache(
+                cache_redis, keys, info.name, info.revision, stall_timeout_s, info.vector_size
+            )
             if settings.use_shared_cache
             else None
         )
@@ -81,9 +88,13 @@ class RequestChannel:
             RespPipe(url, settings.redis.connect_timeout_s) if RespPipe.supports(url) else None
             for url in (settings.redis.url, settings.redis.effective_cache_url)
         ]
-        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=self.pipes[1])
+        self.claims = ClaimResolver(
+            cache_redis, stall_timeout_s, pipe=self.pipes[1], vector_size=info.vector_size
+        )
         bound = settings.max_backlog or info.max_backlog
-        admission = Admission(redis, keys.requests(info.name), bound)
+        admission = Admission(
+            redis, keys.requests(info.name), bound, keys.quota(info.name), keys.rate(info.name)
+        )
         self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
         self.reader = ReplyReader(
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,

@@ -129,7 +129,7 @@ class Submitter:
             return batch
         cache = self.cache
         keys = [cache.key(p.request.dtype, p.request.token_bytes) for p in lookups]
-        values = await cache.get_many(keys)
+        values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):
             if value is not None:

@@ -1,25 +1,27 @@
 """The whole Redis key layout, in one place.
 
 Every key starts with a prefix (default ``lmq``). Keys a tenant owns carry the tenant as their
-second part, so that ACL rules (``~lmq:<tenant>:*``), per-tenant streams and per-tenant caches
-need no new layout later; the single-tenant default is ``default``. Keys that describe a model
-served to everyone (its registry entry, tokenizer, vocabulary, live workers) carry no tenant.
+second part, so that ACL rules (``~lmq:<tenant>:*``, see `KeyPatterns`) isolate tenants; the
+single-tenant default is ``default``. Keys that describe a model served to everyone (its
+registry entry, tokenizer, vocabulary, live workers) carry no tenant.
 
     lmq:models                                    set of published model names
     lmq:model:<model>:info                        msgpack map: revision, vocab size, context, ...
     lmq:model:<model>:tokenizer                   the tokenizer's JSON (tokenizers library)
     lmq:model:<model>:vocab                       msgpack list of every token's bytes
     lmq:model:<model>:workers                     zset: worker name -> last heartbeat (ms)
-    lmq:<tenant>:model:<model>:requests           request stream (consumer group "workers")
-    lmq:<tenant>:model:<model>:dead               dead-letter stream
-    lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
-    lmq:<tenant>:cache:<model>:<rev>:<kind>:<digest>   one cached result vector
     lmq:tenants                                   hash: tenant -> JSON config (operator writes)
+    lmq:<tenant>:model:{<model>}:requests         request stream (consumer group "workers")
     lmq:<tenant>:model:{<model>}:quota            hash of the tenant's limits (workers mirror)
     lmq:<tenant>:model:{<model>}:rate             token-rate bucket (the admission script)
+    lmq:<tenant>:model:{<model>}:dead             dead-letter stream (workers only)
+    lmq:<tenant>:client:{<client>}:replies        one reply stream per client (expires)
+    lmq:<ns>:cache:<model>:<rev>:<kind>:<digest>  one cached result vector; ns is the tenant
+                                                  or a shared ``pool.<name>`` it opted into
 
-`{...}` is a Redis Cluster hash tag: a tenant's keys of one model share that model's slot.
-`KeyPatterns` gives the same layout as ACL glob patterns, for one tenant or for all.
+``{...}`` is a Redis Cluster hash tag: every tenant's request stream of one model (and its
+quota, rate and dead-letter keys) hash to that model's slot, so one XREADGROUP reads all of
+them and the admission script touches one slot; a client's reply stream is one slot of its own.
 """
 
 from __future__ import annotations
@@ -70,14 +72,24 @@ def token_digest(token_bytes: bytes) -> str:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """Builds every key name from a prefix and a tenant."""
+    """Builds every key name from a prefix, a tenant and its cache namespace.
+
+    `cache_namespace` is the first part of cached vectors' keys: empty means the tenant's own.
+    """
 
     prefix: str = "lmq"
     tenant: str = "default"
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         validate_name("prefix", self.prefix)
         validate_name("tenant", self.tenant)
+        if self.cache_namespace:
+            validate_name("cache namespace", self.cache_namespace)
+
+    def for_tenant(self, tenant: str, cache_namespace: str = "") -> KeySpace:
+        """The same layout for another tenant (a worker serves them all)."""
+        return KeySpace(self.prefix, tenant, cache_namespace)
 
     # -- model registry (global) -------------------------------------------------------------
     def models(self) -> str:
@@ -106,21 +118,22 @@ class KeySpace:
 
     # -- per tenant ----------------------------------------------------------------------------
     def requests(self, model: str) -> str:
-        """The model's request stream."""
-        return f"{self.prefix}:{self.tenant}:model:{model}:requests"
+        """The tenant's request stream of the model."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:requests"
 
     def dead_letters(self, model: str) -> str:
-        """The model's dead-letter stream."""
-        return f"{self.prefix}:{self.tenant}:model:{model}:dead"
+        """The tenant's dead-letter stream of the model."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:dead"
 
     def replies(self, client_id: str) -> str:
-        """The reply stream of one client."""
-        return f"{self.prefix}:{self.tenant}:client:{client_id}:replies"
+        """The reply stream of one client of the tenant."""
+        return f"{self.prefix}:{self.tenant}:client:{{{client_id}}}:replies"
 
     def cache_entry(self, model: str, revision: str, kind: str, token_bytes: bytes) -> str:
         """The shared-cache key of one result: model, revision, result kind, exact tokens."""
         digest = token_digest(token_bytes)
-        return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{digest}"
+        namespace = self.cache_namespace or self.tenant
+        return f"{self.prefix}:{namespace}:cache:{model}:{revision}:{kind}:{digest}"
 
     def quota(self, model: str) -> str:
         """The tenant's limits for the model (hash), read by its admission script."""

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import InvalidName, SettingsError
-from .keys import KeyPatterns
+from .keys import KeyPatterns, KeySpace
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -36,6 +36,7 @@ __all__ = [
     "tenant_acl_rules",
     "worker_acl_rules",
     "quota_fields",
+    "read_cache_namespace",
 ]
 
 #: The tenant of clients that connect without an ACL user name (single-user deployments).
@@ -151,11 +152,25 @@ def _check_number(name: str, value: Any, positive: bool = False, integer: bool =
 
 
 def quota_fields(config: TenantConfig) -> dict[str, str]:
-    """The tenant's ``:quota`` hash (strings, as the admission script reads them)."""
+    """The tenant's ``:quota`` hash (strings, as the admission script reads them).
+
+    It also tells the tenant's clients their cache namespace: they may read the quota hash,
+    not the operator's ``lmq:tenants``.
+    """
     return {
         "max_inflight": str(config.max_inflight),
         "max_tokens_per_s": repr(float(config.max_tokens_per_s)),
+        "cache_namespace": config.cache_namespace,
     }
+
+
+async def read_cache_namespace(redis: Any, keys: KeySpace, model: str) -> str:
+    """The cache namespace the operator chose for `keys.tenant` ('' if none is mirrored)."""
+    (raw,) = await redis.hmget(keys.quota(model), "cache_namespace")
+    if raw is None:
+        return ""
+    namespace = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return validate_cache_namespace(namespace) if namespace != keys.tenant else ""
 
 
 def _selector(commands: Sequence[str], keys: Sequence[str]) -> str:

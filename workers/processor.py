@@ -254,7 +254,8 @@ class BatchProcessor:
             return {}
         keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
         values = await self.cache.get_many(
-            [self.cache.key(dtype, prompt) for prompt, dtype in keys]
+            [self.cache.key(dtype, prompt) for prompt, dtype in keys],
+            [dtype for _, dtype in keys],
         )
         return {key: value for key, value in zip(keys, values, strict=True) if value is not None}
 

@@ -16,7 +16,8 @@ import torch
 
 from lmqueue.tenant_admin import TenantAdmin
 from producer import QueueLM, QueueTrie
-from shared.settings import ClientSettings, RedisSettings
+from shared.keys import KeySpace
+from shared.settings import ClientSettings
 from shared.tenants import TenantConfig
 from workers.backends.mock import MockAsyncLM
 from workers.masses import TrieMasses
@@ -45,11 +46,10 @@ def backend(smol_tokenizer: object) -> MockAsyncLM:
 
 @pytest.fixture
 async def alice_lm(urls: Urls, backend: MockAsyncLM) -> AsyncIterator[QueueLM]:
-    worker_redis = RedisSettings(url=urls.worker, tenant="alice")
+    """The worker finds alice in the tenants hash; the client is alice by its URL alone."""
     masses = TrieMasses(backend.byte_vocab)
-    served = ThreadedWorker(backend, urls.worker, masses=masses, redis=worker_redis).start()
-    settings = ClientSettings(redis=RedisSettings(url=urls.alice, tenant="alice"))
-    lm = await QueueLM.connect("mock", settings=settings)
+    served = ThreadedWorker(backend, urls.worker, masses=masses).start()
+    lm = await QueueLM.connect("mock", redis_url=urls.alice, settings=ClientSettings())
     yield lm
     await lm.close()
     served.stop()

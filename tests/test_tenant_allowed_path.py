@@ -16,7 +16,6 @@ import torch
 
 from lmqueue.tenant_admin import TenantAdmin
 from producer import QueueLM, QueueTrie
-from shared.keys import KeySpace
 from shared.settings import ClientSettings
 from shared.tenants import TenantConfig
 from workers.backends.mock import MockAsyncLM

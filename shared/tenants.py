@@ -220,7 +220,7 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     ]  # fmt: skip
     registry_commands = [
         "+get", "+set", "+exists", "+sadd", "+smembers",
-        "+zadd", "+zrem", "+zrangebyscore", "+zremrangebyscore",
+        "+zadd", "+zrem", "+zrange", "+zrangebyscore", "+zremrangebyscore",
     ]  # fmt: skip
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION,

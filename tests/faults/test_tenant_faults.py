@@ -42,7 +42,8 @@ async def test_a_worker_killed_mid_batch_with_two_tenants_leaves_no_request_unan
         ]
         held = await until(lambda: _holding_both(redis_probe, victim.name), every_s=0.005)
         victim.signal(signal.SIGKILL)
-        results = [load.check(await task, reference) for load, task in zip(loads, running, strict=True)]
+        pairs = zip(loads, running, strict=True)
+        results = [load.check(await task, reference) for load, task in pairs]
         left = await until(lambda: _all_settled(redis_probe), timeout_s=30, every_s=0.1)
     for figures in results:
         figures.extra.update(killed_holding=held)

@@ -4,6 +4,7 @@ lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a m
 lmq submit "The capital of France is" --top-k 5                       ask once
 lmq demo                                                               the whole pipeline
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
+lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
 
 Every command reports a failure as one line naming the error and what to do, and exits
 non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
     from workers.main import build_parser as worker_parser
 
-    from . import demo
+    from . import demo, tenants
 
     parser = argparse.ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--model", default="smollm2-135m")
     submit.add_argument("--redis-url", default=None, help="default: $LMQ_REDIS_URL")
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
+    tenants.add_arguments(
+        commands.add_parser("tenant", help="add, change, list or remove tenants (admin URL)")
+    )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
     return parser
@@ -82,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "submit":
             return _submit(args)
+        if args.command == "tenant":
+            from . import tenants
+
+            return tenants.run(args)
         from . import demo
 
         return demo.run(args)

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from shared.admission_script import ADMISSION_LUA
+from shared.errors import SettingsError
 from shared.keys import KeySpace
 from shared.tenants import (
     WORKER_USER,
@@ -67,11 +68,11 @@ class TenantAdmin:
         """Create tenant `config.name`; returns the URL (with a new password) to give it.
 
         Raises:
-            ValueError: if the tenant or its ACL user exists already, or is the admin's own.
+            SettingsError: if the tenant or its ACL user exists already, or is the admin's own.
         """
         self._not_myself(config.name)
         if self.redis.hexists(self.keys.tenants(), config.name) or self._user_exists(config.name):
-            raise ValueError(f"tenant {config.name!r} exists; use `lmq tenant set`")
+            raise SettingsError(f"tenant {config.name!r} exists; use `lmq tenant set`")
         password = password or secrets.token_urlsafe(24)
         rules = tenant_acl_rules(config, self.prefix)
         self.redis.execute_command(
@@ -84,7 +85,7 @@ class TenantAdmin:
         """Change a tenant's settings (and rules); returns a new URL if the password changed.
 
         Raises:
-            KeyError: if there is no such tenant.
+            SettingsError: if there is no such tenant.
         """
         self._not_myself(name)
         config = replace(self.get(name), **changes)
@@ -113,11 +114,11 @@ class TenantAdmin:
         """The stored configuration of tenant `name`.
 
         Raises:
-            KeyError: if there is no such tenant.
+            SettingsError: if there is no such tenant.
         """
         raw = self.redis.hget(self.keys.tenants(), validate_tenant(name))
         if raw is None:
-            raise KeyError(f"no tenant {name!r}")
+            raise SettingsError(f"no tenant {name!r} (lmq tenant list)")
         return TenantConfig.from_json(name, raw)
 
     def tenants(self) -> list[TenantRow]:
@@ -161,7 +162,7 @@ class TenantAdmin:
 
     def _not_myself(self, name: str) -> None:
         if _text(self.redis.execute_command("ACL", "WHOAMI")) == name:
-            raise ValueError(f"{name!r} is the user this command is connected as; refusing")
+            raise SettingsError(f"{name!r} is the user this command is connected as; refusing")
 
     def acl_file(self) -> str | None:
         """The ACL file Redis saves users to, or None (users last until Redis restarts)."""

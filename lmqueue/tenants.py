@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 from shared.connections import sync_redis
+from shared.redis_errors import redis_boundary
+from shared.settings import DEFAULT_REDIS_URL, configured_redis_url
 from shared.tenants import WORKER_USER, TenantConfig
 
 from .tenant_admin import TenantAdmin
@@ -77,12 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Carry out one ``lmq tenant`` action; 0 on success."""
-    url = args.redis_url or os.environ.get("LMQ_REDIS_URL") or os.environ.get("REDIS_URL")
-    url = url or "redis://127.0.0.1:6379/0"
+    url = args.redis_url or configured_redis_url() or DEFAULT_REDIS_URL
     redis = sync_redis(url)
     try:
-        admin = TenantAdmin(redis, url, args.prefix)
-        return _act(admin, args)
+        with redis_boundary(f"lmq tenant {args.action}"):
+            return _act(TenantAdmin(redis, url, args.prefix), args)
     finally:
         redis.close()
 

@@ -67,9 +67,7 @@ class SharedCache:
         if not keys:
             return []
         try:
-            values = list(
-                await bounded(self.redis.mget(keys), self.timeout_s, "shared cache read")
-            )
+            values = list(await bounded(self.redis.mget(keys), self.timeout_s, "shared cache read"))
         except Exception as exc:  # the cache is an optimisation; never fail a request on it
             logger.warning("shared cache read failed: %s", exc)
             return [None] * len(keys)

@@ -67,15 +67,15 @@ def validate_tenant(name: str) -> str:
 
 
 def validate_cache_namespace(namespace: str) -> str:
-    """Return `namespace` if it is a tenant name or a shared ``pool.<name>``, else raise."""
+    """Return `namespace` if it is a shared ``pool.<name>``, else raise `InvalidName`.
+
+    A tenant's cache namespace is its own name (private) or a pool; never another tenant's.
+    """
     if isinstance(namespace, str) and _POOL.match(namespace):
         return namespace
-    try:
-        return validate_tenant(namespace)
-    except InvalidName:
-        raise InvalidName(
-            f"invalid cache namespace {namespace!r}: a tenant name or pool.<name>"
-        ) from None
+    raise InvalidName(
+        f"invalid cache namespace {namespace!r}: a tenant's own name or pool.<name> (a-z 0-9 _ -)"
+    )
 
 
 def password_hash(password: str) -> str:

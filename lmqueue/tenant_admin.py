@@ -57,11 +57,34 @@ class TenantRow:
 class TenantAdmin:
     """Creates, changes and removes tenants and the workers' user (sync redis-py client)."""
 
-    def __init__(self, redis: Any, url: str, prefix: str = "lmq") -> None:
+    def __init__(
+        self,
+        redis: Any,
+        url: str,
+        prefix: str = "lmq",
+        cache_redis: Any | None = None,
+        cache_url: str | None = None,
+    ) -> None:
         self.redis = redis
         self.url = url
         self.prefix = prefix
         self.keys = KeySpace(prefix)
+        #: A separate cache instance gets the same users (same passwords).
+        self.cache_redis = cache_redis
+        self.cache_url = cache_url
+        #: The cache instance's URL for the user of the last add/set/worker_user, if any.
+        self.last_cache_url: str | None = None
+
+    def _acl(self, *args: Any) -> None:
+        """Run one ACL command on the queue instance and on a separate cache instance."""
+        for client in (self.redis, self.cache_redis):
+            if client is not None:
+                client.execute_command("ACL", *args)
+
+    def _issue(self, user: str, password: str) -> str:
+        if self.cache_url is not None:
+            self.last_cache_url = user_url(self.cache_url, user, password)
+        return user_url(self.url, user, password)
 
     # -- tenants ---------------------------------------------------------------------------------
     def add(self, config: TenantConfig, password: str | None = None) -> str:
@@ -75,11 +98,9 @@ class TenantAdmin:
             raise SettingsError(f"tenant {config.name!r} exists; use `lmq tenant set`")
         password = password or secrets.token_urlsafe(24)
         rules = tenant_acl_rules(config, self.prefix)
-        self.redis.execute_command(
-            "ACL", "SETUSER", config.name, "reset", "on", password_hash(password), *rules
-        )
+        self._acl("SETUSER", config.name, "reset", "on", password_hash(password), *rules)
         self._store(config)
-        return user_url(self.url, config.name, password)
+        return self._issue(config.name, password)
 
     def set(self, name: str, new_password: bool = False, **changes: Any) -> str | None:
         """Change a tenant's settings (and rules); returns a new URL if the password changed.
@@ -92,9 +113,9 @@ class TenantAdmin:
         rules = tenant_acl_rules(config, self.prefix)
         password = secrets.token_urlsafe(24) if new_password else None
         credentials = ["resetpass", password_hash(password)] if password else []
-        self.redis.execute_command("ACL", "SETUSER", name, *credentials, *rules)
+        self._acl("SETUSER", name, *credentials, *rules)
         self._store(config)
-        return user_url(self.url, name, password) if password else None
+        return self._issue(name, password) if password else None
 
     def remove(self, name: str) -> None:
         """Delete the tenant's user (its connections close), record and quota hashes.
@@ -102,7 +123,7 @@ class TenantAdmin:
         Its request and reply streams stay: requests already accepted are still answered.
         """
         self._not_myself(validate_tenant(name))
-        self.redis.execute_command("ACL", "DELUSER", name)
+        self._acl("DELUSER", name)
         self.redis.hdel(self.keys.tenants(), name)
         tenant_keys = KeySpace(self.prefix, name)
         quotas = [tenant_keys.quota(model) for model in self._models()]
@@ -137,11 +158,9 @@ class TenantAdmin:
         self._not_myself(name)
         password = password or secrets.token_urlsafe(24)
         rules = worker_acl_rules(self.prefix)
-        self.redis.execute_command(
-            "ACL", "SETUSER", name, "reset", "on", password_hash(password), *rules
-        )
+        self._acl("SETUSER", name, "reset", "on", password_hash(password), *rules)
         self._save_acl()
-        return user_url(self.url, name, password)
+        return self._issue(name, password)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _store(self, config: TenantConfig) -> None:
@@ -170,10 +189,13 @@ class TenantAdmin:
         return path or None
 
     def _save_acl(self) -> None:
-        if self.acl_file():
-            self.redis.execute_command("ACL", "SAVE")
-        else:
-            logger.warning("Redis has no aclfile: users last only until Redis restarts")
+        for client in (self.redis, self.cache_redis):
+            if client is None:
+                continue
+            if _text(client.config_get("aclfile").get("aclfile") or ""):
+                client.execute_command("ACL", "SAVE")
+            else:
+                logger.warning("Redis has no aclfile: users last only until Redis restarts")
 
 
 def _text(value: Any) -> str:

@@ -8,7 +8,9 @@
     lmq tenant worker-user [--name lmq-worker]                  prints the workers' URL
 
 ``--redis-url`` carries the operator's admin credentials (default: ``$LMQ_REDIS_URL``, else
-``$REDIS_URL``); the URLs printed carry the same host and port with the new user's.
+``$REDIS_URL``); the URLs printed carry the same host and port with the new user's. With a
+separate cache instance, ``--cache-url`` (its admin URL) creates the same users there and
+prints the tenant's cache URL too (its ``LMQ_CACHE_URL``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def _limit_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``lmq tenant`` subcommands and their flags."""
     parser.add_argument("--redis-url", default=None, help="admin URL (default: $LMQ_REDIS_URL)")
+    parser.add_argument(
+        "--cache-url",
+        default=None,
+        help="admin URL of a separate cache instance: users are made there too",
+    )
     parser.add_argument("--prefix", default="lmq", help="key prefix (default lmq)")
     actions = parser.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="create a tenant; prints the URL to give it")
@@ -80,11 +87,15 @@ def run(args: argparse.Namespace) -> int:
     """Carry out one ``lmq tenant`` action; 0 on success."""
     url = args.redis_url or configured_redis_url() or DEFAULT_REDIS_URL
     redis = sync_redis(url)
+    cache = sync_redis(args.cache_url) if args.cache_url else None
     try:
         with redis_boundary(f"lmq tenant {args.action}"):
-            return _act(TenantAdmin(redis, url, args.prefix), args)
+            admin = TenantAdmin(redis, url, args.prefix, cache, args.cache_url)
+            return _act(admin, args)
     finally:
         redis.close()
+        if cache is not None:
+            cache.close()
 
 
 def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
@@ -102,6 +113,8 @@ def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
         print(f"removed tenant {args.name}")
     else:
         print(admin.worker_user(args.name))
+    if admin.last_cache_url:
+        print(f"cache: {admin.last_cache_url}")
     if args.action != "list" and admin.acl_file() is None:
         print("note: Redis has no aclfile; these users last only until Redis restarts")
     return 0

@@ -104,3 +104,19 @@ def test_adding_a_tenant_twice_is_refused(
     _lmq(capsys, redis_url, "add", "erin")
     code, _, err = _lmq(capsys, redis_url, "add", "erin")
     assert code == 2 and "exists" in err
+
+
+def test_a_separate_cache_instance_gets_the_same_users(
+    admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmqueue.local_redis import LocalRedis
+
+    with LocalRedis() as cache_server:
+        code, out, _ = _lmq(capsys, redis_url, "--cache-url", cache_server.url, "add", "erin")
+        queue_url, cache_line = out.splitlines()[:2]
+        cache_url = cache_line.removeprefix("cache: ")
+        assert code == 0 and cache_url.startswith("redis://erin:")
+        assert cache_url.split("@")[0] == queue_url.split("@")[0]  # one password for both
+        erin = redis.Redis.from_url(cache_url)
+        assert erin.mget([KeySpace(tenant="erin").cache_entry("m", "r", "k", b"1234")]) == [None]
+        erin.close()

@@ -24,9 +24,10 @@ BENCHMARKS = {
     "model": "lmqueue.bench.model",
     "memory": "lmqueue.bench.memory",
     "trie": "lmqueue.bench.trie",
+    "fairness": "lmqueue.bench.fairness",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
-ALL_ORDER = ["transport", "cache", "scaling", "model", "memory", "trie"]
+ALL_ORDER = ["transport", "cache", "scaling", "fairness", "model", "memory", "trie"]
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]
 

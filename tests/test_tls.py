@@ -73,7 +73,7 @@ async def test_over_tls_with_passwords_the_client_falls_back_to_redis_py_and_wor
     tls_lm: tuple[QueueLM, MockAsyncLM],
 ) -> None:
     lm, backend = tls_lm
-    assert lm.channel.reader.pipe is None and lm.channel.claims.pipe is None  # the redis-py fallback
+    assert lm.channel.reader.pipe is None and lm.channel.claims.pipe is None  # redis-py path
     prompts = [[1, 2, 3], [9, 8]]
     rows = await lm.batch_next_token_logprobs(prompts)
     for row, prompt in zip(rows, prompts, strict=True):

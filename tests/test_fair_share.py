@@ -131,3 +131,13 @@ def test_backlogged_tenants_stay_within_one_request_of_their_weighted_share(
             break
         gap = share.served_cost("a") / weights[0] - share.served_cost("b") / weights[1]
         assert abs(gap) <= bound + 1e-9
+
+
+def test_adjusting_a_charge_moves_the_counter_by_cost_over_weight() -> None:
+    share: FairShare[int] = FairShare(call_cost_tokens=4, weights={"a": 2})
+    share.add("a", 0, 10)
+    [pick] = share.pick(1)
+    assert share.counter("a") == pytest.approx(14 / 2)
+    share.adjust("a", share.cost_of(0, 0) - pick.charged)  # a cache hit: nothing computed
+    assert share.counter("a") == pytest.approx(0) and share.served_cost("a") == pytest.approx(0)
+    share.adjust("unknown", 5)  # a tenant the scheduler never saw: nothing to correct

@@ -181,3 +181,17 @@ async def test_the_worker_caps_a_tenant_that_skips_the_admission_script(
     errors = [r.error for r in replies if r.error is not None]
     assert errors and all(isinstance(e, QuotaExceeded) for e in errors)
     assert len(errors) <= 12 - 3
+
+
+async def test_fair_share_charges_what_the_forward_computed_not_cache_hits(
+    fleet: Fleet,
+) -> None:
+    settings = ClientSettings(timeout_s=20, use_shared_cache=False, local_cache_size=0)
+    scheduler = fleet.worker.worker.scheduler  # type: ignore[union-attr]
+    async with await QueueLM.connect(MODEL, redis_url=fleet.urls["alice"], settings=settings) as lm:
+        await lm.next_token_logprobs([21, 22, 23])
+        after_first = scheduler.served_cost("alice")
+        await lm.next_token_logprobs([21, 22, 23])  # answered from the worker's cache
+        after_hit = scheduler.served_cost("alice")
+    assert after_first == pytest.approx(scheduler.cost_of(1, 3))
+    assert after_hit == pytest.approx(after_first)

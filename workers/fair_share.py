@@ -123,6 +123,10 @@ class FairShare(Generic[T]):
         """The cost of a request that computes `tokens` tokens."""
         return tokens + self.call_cost_tokens
 
+    def cost_of(self, prompts: int, tokens: int) -> float:
+        """The cost of computing `prompts` distinct prompts of `tokens` tokens in all."""
+        return tokens + prompts * self.call_cost_tokens
+
     def pick(self, batch_size: int, max_batch_tokens: int | None = None) -> list[Pick[T]]:
         """Up to `batch_size` requests, smallest counter first, charging each its estimate.
 
@@ -151,6 +155,11 @@ class FairShare(Generic[T]):
     def settle(self, pick: Pick[T], tokens_computed: int) -> None:
         """Correct a pick's charge to what its forward pass actually computed."""
         self._charge(pick.tenant, self.cost(tokens_computed) - pick.charged)
+
+    def adjust(self, tenant: str, cost: float) -> None:
+        """Add `cost` (negative: take back) to what `tenant` was charged."""
+        if tenant in self._tenants:
+            self._charge(tenant, cost)
 
     def refund(self, pick: Pick[T]) -> None:
         """Take back a pick's whole charge (answered without computing: a cache hit)."""

@@ -42,6 +42,10 @@ class Outcome:
     acks: list[str] = field(default_factory=list)
     dead: list[tuple[Entry, str]] = field(default_factory=list)
     claimable: list[Claimable] = field(default_factory=list)
+    #: What the batch cost the backend: distinct prompts computed, and their tokens (cache
+    #: hits and requests sharing a prompt cost nothing more); the fair-share charge.
+    computed_prompts: int = 0
+    computed_tokens: int = 0
 
     def result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
@@ -70,3 +74,5 @@ class Outcome:
         self.acks.extend(other.acks)
         self.dead.extend(other.dead)
         self.claimable.extend(other.claimable)
+        self.computed_prompts += other.computed_prompts
+        self.computed_tokens += other.computed_tokens

@@ -212,6 +212,8 @@ class BatchProcessor:
             if any((prompt, dtype) not in payloads for dtype in dtypes)
         )
         computed = await self._compute(missing)
+        outcome.computed_prompts += len(missing)
+        outcome.computed_tokens += sum(len(prompt) // 4 for prompt in missing)
         #: (prompt, dtype) -> the cache key its payload is being written under
         written: dict[tuple[bytes, str], str] = {}
         for prompt in missing:

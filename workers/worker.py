@@ -259,22 +259,36 @@ class Worker:
         for pick in picks:
             lane, entry = pick.item
             parts.setdefault(lane.tenant, (lane, []))[1].append(entry)
+        charged: dict[str, float] = {}
+        for pick in picks:
+            charged[pick.item[0].tenant] = charged.get(pick.item[0].tenant, 0.0) + pick.charged
         results = await asyncio.gather(
-            *(self._handle_lane(lane, entries) for lane, entries in parts.values()),
+            *(
+                self._handle_lane(lane, entries, charged[lane.tenant])
+                for lane, entries in parts.values()
+            ),
             return_exceptions=True,
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
 
-    async def _handle_lane(self, lane: Lane, entries: Sequence[Entry]) -> None:
-        """Process one tenant's entries and write their outcome; keep their claims fresh."""
+    async def _handle_lane(
+        self, lane: Lane, entries: Sequence[Entry], charged: float = 0.0
+    ) -> None:
+        """Process one tenant's entries and write their outcome; keep their claims fresh.
+
+        The tenant's fair-share charge becomes what the forward cost (distinct prompts
+        computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
+        """
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
             outcome = await lane.processor.process(entries)
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
+        cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
+        self.scheduler.adjust(lane.tenant, cost - charged)
         await lane.writer.flush(outcome)
         self.answered += len(outcome.acks)
 

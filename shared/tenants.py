@@ -5,12 +5,12 @@ tenant may touch is decided by Redis itself. `tenant_acl_rules` builds the exact
 ``ACL SETUSER`` arguments: commands granted by name, each in a selector with exactly the keys
 it may touch (a selector grants a command only on its own keys), no channels, nothing that
 ignores key patterns (KEYS, SCAN, FLUSH*, RANDOMKEY) and no administration (CONFIG, ACL, DEBUG,
-SCRIPT, CLIENT other than SETINFO). `worker_acl_rules` does the same for the one user all
-workers share. The operator's own user is not managed here.
+SCRIPT, CLIENT). `worker_acl_rules` does the same for the one user all workers share. The
+operator's own user is not managed here; docs/SECURITY.md explains the whole trust model.
 
 A tenant's configuration is one JSON value in the ``lmq:tenants`` hash (operator writes,
-workers read); its limits are mirrored into the tenant's ``:quota`` hash of each model, which
-the tenant's admission script reads.
+workers read); its limits and cache namespace are mirrored into the tenant's ``:quota`` hash
+of each model, which the tenant's admission script and clients read.
 """
 
 from __future__ import annotations

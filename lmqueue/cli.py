@@ -6,6 +6,7 @@ lmq demo                                                               the whole
 lmq scheduler --redis-url redis://...                                  run experiments
 lmq experiment {submit,status,list,cancel,results} ...                 manage experiments
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
+lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
 
 Every command reports a failure as one line naming the error and what to do, and exits
 non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     from scheduler.main import add_arguments as scheduler_arguments
     from workers.main import build_parser as worker_parser
 
-    from . import demo, experiments_cli, status
+    from . import demo, experiments_cli, status, tenants
 
     parser = argparse.ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_arguments(commands.add_parser("scheduler", help="run experiments (arq worker)"))
     experiments_cli.add_arguments(
         commands.add_parser("experiment", help="submit, watch, cancel, collect experiments")
+    )
+    tenants.add_arguments(
+        commands.add_parser("tenant", help="add, change, list or remove tenants (admin URL)")
     )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import experiments_cli
 
             return experiments_cli.run(args)
+        if args.command == "tenant":
+            from . import tenants
+
+            return tenants.run(args)
         from . import demo
 
         return demo.run(args)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["LocalRedis", "free_port"]
@@ -29,9 +30,16 @@ class LocalRedis:
         port: the port to listen on; a free one by default.
         maxmemory: e.g. ``"256mb"``; 0 leaves memory unbounded.
         policy: the eviction policy (``noeviction`` for the queue role).
+        args: further ``redis-server`` options, e.g. ``["--aclfile", path]``.
     """
 
-    def __init__(self, port: int | None = None, maxmemory: str = "0", policy: str = "noeviction"):
+    def __init__(
+        self,
+        port: int | None = None,
+        maxmemory: str = "0",
+        policy: str = "noeviction",
+        args: Sequence[str] = (),
+    ):
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
@@ -39,6 +47,7 @@ class LocalRedis:
         self.port = port or free_port()
         self.maxmemory = maxmemory
         self.policy = policy
+        self.args = list(args)
         self._dir = Path(tempfile.mkdtemp(prefix="lmq-redis-"))
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -47,8 +56,8 @@ class LocalRedis:
         """The redis:// URL of database 0."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        """Start the server and wait until it answers PING."""
+    def start(self, timeout_s: float = 10.0, ready: Callable[[], bool] | None = None) -> LocalRedis:
+        """Start the server and wait until it answers PING (or until `ready()` is true)."""
         args = [
             self.binary,
             "--bind",
@@ -67,6 +76,7 @@ class LocalRedis:
             self.policy,
             "--logfile",
             str(self._dir / "redis.log"),
+            *self.args,
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
@@ -74,7 +84,7 @@ class LocalRedis:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode() if self.process.stderr else ""
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}")
-            if self._answers_ping():
+            if (ready or self._answers_ping)():
                 return self
             time.sleep(0.02)
         self.stop()

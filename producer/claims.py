@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared.connections import bounded, multi_get
-from shared.errors import MalformedMessage
-from shared.wire import Reply, check_payload
+from shared.wire import Reply, holds_vector
 
 from .resp_pipe import RespPipe
 
@@ -39,9 +38,15 @@ class ClaimResolver:
     """Resolves claim-check replies against the shared cache, one MGET per batch."""
 
     def __init__(
-        self, cache_redis: Any, timeout_s: float = 10.0, pipe: RespPipe | None = None
+        self,
+        cache_redis: Any,
+        timeout_s: float = 10.0,
+        pipe: RespPipe | None = None,
+        vector_size: int = 0,
     ) -> None:
         self.redis = cache_redis
+        #: A claimed value must hold exactly this many values of its dtype (0: whole values).
+        self.vector_size = vector_size
         self.pipe = pipe  # where it can connect: vectors land in arrays of their own
         self.timeout_s = timeout_s
         self.resolved = 0
@@ -67,7 +72,7 @@ class ClaimResolver:
             values = [None] * len(keys)
         found, missed = [], []
         for reply, value in zip(claims, values, strict=True):
-            if _holds_vector(value, reply.dtype):
+            if holds_vector(value, reply.dtype, self.vector_size):
                 found.append(Reply(reply.request_id, value, reply.dtype, cached=reply.cached))
             else:
                 missed.append(reply)
@@ -99,14 +104,3 @@ class ClaimResolver:
                 100 * share, _PAUSE_S,
             )  # fmt: skip
             self._paused_until = time.monotonic() + _PAUSE_S
-
-
-def _holds_vector(value: Any, dtype: str) -> bool:
-    """Whether a cache value is a non-empty vector of `dtype` (else the claim counts as missed)."""
-    if not value:
-        return False
-    try:
-        check_payload(value, dtype)
-    except MalformedMessage:
-        return False
-    return True

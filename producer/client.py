@@ -28,6 +28,7 @@ from shared.lm.vocab import str_vocab_of
 from shared.redis_errors import REDIS_DOWN, redis_boundary
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
 from shared.settings import ClientSettings
+from shared.tenants import read_cache_namespace
 
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel
@@ -61,6 +62,7 @@ class QueueLM(SyncFacade, AsyncLM):
         redis: Any,
         cache_redis: Any,
         run_id: str | None = None,
+        cache_namespace: str = "",
     ) -> None:
         super().__init__(
             tokenizer,
@@ -71,8 +73,9 @@ class QueueLM(SyncFacade, AsyncLM):
         self.model = info.name
         self.settings = settings
         self.channel = RequestChannel(
-            info, settings, redis, cache_redis, run_id, on_restart=self._on_restart
-        )
+            info, settings, redis, cache_redis, run_id, on_restart=self._on_restart,
+            cache_namespace=cache_namespace,
+        )  # fmt: skip
         self.client_id = self.channel.client_id
         self.local_cache = OutputCache(settings.local_cache_size)
         self._refresh: asyncio.Task[None] | None = None
@@ -132,11 +135,12 @@ class QueueLM(SyncFacade, AsyncLM):
                 run_id = await server_run_id(redis)
                 files = await registry.tokenizer_files(model)
                 vocab = await registry.byte_vocab(model)
+                namespace = await read_cache_namespace(redis, settings.redis.keyspace(), model)
             tokenizer = await asyncio.to_thread(tokenizer_from_files, files)
         except BaseException:
             await _close_all(redis, cache_redis)
             raise
-        client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id)
+        client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id, namespace)
         client._home_loop = asyncio.get_running_loop()
         client.channel.start()
         return client

@@ -53,6 +53,8 @@ class RequestChannel:
         run_id: the queue server's run id at connect time, to notice a restart.
         on_restart: called (on the loop) after a Redis restart, once everything in flight has
             been queued again.
+        cache_namespace: whose cached vectors to read (the operator's choice for the tenant,
+            mirrored into its quota hash); empty: the tenant's own.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class RequestChannel:
         cache_redis: Any,
         run_id: str | None = None,
         on_restart: Callable[[], None] | None = None,
+        cache_namespace: str = "",
     ) -> None:
         self.settings = settings
         self.client_id = uuid.uuid4().hex[:16]
@@ -70,11 +73,15 @@ class RequestChannel:
         self.cache_redis = cache_redis
         self._on_restart_hook = on_restart
         keys = settings.redis.keyspace()
+        if cache_namespace:
+            keys = keys.for_tenant(keys.tenant, cache_namespace)
         stall_timeout_s = settings.redis.stall_timeout_s
         self.slots = Slots(settings.max_inflight)
         self.inflight = InflightTable(self.client_id, on_settled=self.slots.release)
         shared = (
-            SharedCache(cache_redis, keys, info.name, info.revision, stall_timeout_s)
+            SharedCache(
+                cache_redis, keys, info.name, info.revision, stall_timeout_s, info.vector_size
+            )
             if settings.use_shared_cache
             else None
         )
@@ -91,9 +98,13 @@ class RequestChannel:
         if RespPipe.supports(cache_url) and not is_cluster(cache_redis):
             claims_pipe = RespPipe(cache_url, timeout_s)
         self.pipes = [replies_pipe, claims_pipe]
-        self.claims = ClaimResolver(cache_redis, stall_timeout_s, pipe=claims_pipe)
+        self.claims = ClaimResolver(
+            cache_redis, stall_timeout_s, pipe=claims_pipe, vector_size=info.vector_size
+        )
         bound = settings.max_backlog or info.max_backlog
-        admission = Admission(redis, keys.requests(info.name), bound)
+        admission = Admission(
+            redis, keys.requests(info.name), bound, keys.quota(info.name), keys.rate(info.name)
+        )
         self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
         self.reader = ReplyReader(
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,

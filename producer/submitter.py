@@ -2,7 +2,8 @@
 
 Requests made in the same event-loop pass are sent together: one MGET against the shared
 cache answers the hits without any worker, then one pipeline XADDs the misses to the model's
-request stream (through `Admission`, which refuses batches past the backlog bound). While
+request stream (through `Admission`, which refuses batches past the backlog bound, and
+requests past the tenant's quotas with `QuotaExceeded`). While
 Redis is unreachable, or a send gets no answer within the stall timeout, the batch is kept
 and retried with backoff until each request's own deadline settles it (a retried send may
 enqueue a request twice; it is answered twice and settled once). A refusal by Redis itself
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 from redis.exceptions import RedisError
 
 from shared.connections import bounded
-from shared.errors import Busy, LMQueueError, Unavailable
+from shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
 from shared.redis_errors import REDIS_DOWN, translate
 from shared.shared_cache import SharedCache
 from shared.wire import Reply, encode_request
@@ -109,11 +110,15 @@ class Submitter:
         misses = await self._answer_from_cache(batch)
         if not misses:
             return
+        envelopes = [encode_request(p.request)["m"] for p in misses]
+        tokens = [len(p.request.token_bytes) // 4 for p in misses]
         try:
-            await self.admission.enqueue([encode_request(p.request)["m"] for p in misses])
-        except Busy as exc:
-            for pending in misses:
-                self.inflight.fail(pending.request_id, Busy(exc.message, **exc.data))
+            await self.admission.enqueue(envelopes, tokens)
+        except Busy as exc:  # QuotaExceeded too: the first `admitted` were enqueued
+            admitted = int(exc.data.get("admitted", 0)) if isinstance(exc, QuotaExceeded) else 0
+            for pending in misses[admitted:]:
+                self.inflight.fail(pending.request_id, type(exc)(exc.message, **exc.data))
+            self.sent += admitted
             return
         self.sent += len(misses)
 
@@ -124,7 +129,7 @@ class Submitter:
             return batch
         cache = self.cache
         keys = [cache.key(p.request.dtype, p.request.token_bytes) for p in lookups]
-        values = await cache.get_many(keys)
+        values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):
             if value is not None:

@@ -21,6 +21,7 @@ TimeoutError`).
     ├── ModelError (RuntimeError)            the backend failed while computing
     ├── DeadlineExceeded (TimeoutError)      the request's deadline passed before its result
     ├── Busy                                 admission control refused a new request
+    │   └── QuotaExceeded                    the tenant is at one of its quotas
     ├── Forbidden                            Redis refused an operation to this user (ACL)
     ├── DeadLettered                         the request failed on every delivery and was parked
     ├── Cancelled                            the request was withdrawn (client closed, reset)
@@ -49,6 +50,7 @@ __all__ = [
     "DeadlineExceeded",
     "Busy",
     "Forbidden",
+    "QuotaExceeded",
     "DeadLettered",
     "Cancelled",
     "Unavailable",
@@ -129,6 +131,14 @@ class Busy(LMQueueError):
     """Raised when the model's backlog is over its bound and a new request is refused."""
 
 
+class QuotaExceeded(Busy):
+    """Raised when a tenant is at a quota (``data["quota"]`` names it) and a request is refused.
+
+    ``max_inflight``: requests queued or running for the model; ``max_tokens_per_s``: prompt
+    tokens admitted per second. Requests accepted earlier are not affected.
+    """
+
+
 class Forbidden(LMQueueError):
     """Raised when Redis refuses an operation to this client's user (an ACL rule: NOPERM)."""
 
@@ -164,6 +174,7 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
         DeadlineExceeded,
         Busy,
         Forbidden,
+        QuotaExceeded,
         DeadLettered,
         Cancelled,
         Unavailable,

@@ -1,9 +1,9 @@
 """The whole Redis key layout, in one place.
 
 Every key starts with a prefix (default ``lmq``). Keys a tenant owns carry the tenant as their
-second part, so that ACL rules (``~lmq:<tenant>:*``), per-tenant streams and per-tenant caches
-need no new layout later; the single-tenant default is ``default``. Keys that describe a model
-served to everyone (its registry entry, tokenizer, vocabulary, live workers) carry no tenant.
+second part, so that ACL rules (``~lmq:<tenant>:*``, see `KeyPatterns`) isolate tenants; the
+single-tenant default is ``default``. Keys that describe a model served to everyone (its
+registry entry, tokenizer, vocabulary, live workers) carry no tenant.
 
     lmq:models                                    set of published model names
     lmq:model:{<model>}:info                      msgpack map: revision, vocab size, context, ...
@@ -12,10 +12,14 @@ served to everyone (its registry entry, tokenizer, vocabulary, live workers) car
     lmq:model:{<model>}:workers                   zset: worker name -> last heartbeat (ms)
     lmq:model:{<model>}:worker:<worker>           hash: one worker's stats for `lmq status`
                                                   (shared/worker_stats.py; expires)
-    lmq:<tenant>:model:<model>:requests           request stream (consumer group "workers")
-    lmq:<tenant>:model:<model>:dead               dead-letter stream
-    lmq:<tenant>:client:<client>:replies          one reply stream per client (expires)
-    lmq:<tenant>:cache:<model>:<rev>:<kind>:<digest>   one cached result vector
+    lmq:tenants                                   hash: tenant -> JSON config (operator writes)
+    lmq:<tenant>:model:{<model>}:requests         request stream (consumer group "workers")
+    lmq:<tenant>:model:{<model>}:quota            hash of the tenant's limits (workers mirror)
+    lmq:<tenant>:model:{<model>}:rate             token-rate bucket (the admission script)
+    lmq:<tenant>:model:{<model>}:dead             dead-letter stream (workers only)
+    lmq:<tenant>:client:{<client>}:replies        one reply stream per client (expires)
+    lmq:<ns>:cache:<model>:<rev>:<kind>:<digest>  one cached result vector; ns is the tenant
+                                                  or a shared ``pool.<name>`` it opted into
     lmq:<tenant>:exp:inbox                        experiment orders the scheduler reads
     lmq:<tenant>:exp:index                        zset: experiment id -> submission (ms)
     lmq:<tenant>:exp:{<tenant>:<id>}:record       hash: one experiment's kind, status, progress
@@ -27,14 +31,18 @@ Redis Cluster hashes only the text between the first ``{`` and the next ``}`` of
 tag), and refuses multi-key commands, transactions and Lua scripts whose keys span slots
 (CROSSSLOT). Names cannot contain braces (`validate_name`), so the only tags are these:
 
-- ``{<model>}`` in the four registry keys of a model (info, tokenizer, vocab, workers): a worker
+- ``{<model>}`` in every tenant's request stream of a model and its quota, rate and
+  dead-letter keys: one XREADGROUP reads all tenants' streams of the model, and the admission
+  script touches one slot.
+- ``{<model>}`` in the registry keys of a model (info, tokenizer, vocab, workers): a worker
   publishes info, tokenizer and vocabulary in one Lua script (`shared.registry`), so a client
   never reads a new revision's info beside an old tokenizer. ``lmq:models`` is written after
   it, on its own (a set that names every model cannot share every model's slot).
+- ``{<client>}`` in a reply stream: each client's replies are one slot of their own.
 - ``{<tenant>:<id>}`` in an experiment's record and results: a checkpoint writes both in one
   Lua script (`scheduler.context`).
-- Every other command touches one key at a time (the admission script, the janitor's scripts,
-  XREADGROUP of one stream) or is a non-atomic pipeline, which redis-py splits per node.
+- Every other command touches one key at a time (the janitor's scripts) or is a non-atomic
+  pipeline, which redis-py splits per node.
 - Cache keys carry no tag on purpose: their digests spread them over all 16,384 slots, so the
   cache's memory and bandwidth grow with the number of masters. Multi-key reads of them (the
   shared cache's and the claim resolver's MGET) are split per node and sent concurrently in
@@ -51,6 +59,7 @@ from .errors import InvalidName
 
 __all__ = [
     "KeySpace",
+    "KeyPatterns",
     "WORKER_GROUP",
     "arq_in_progress",
     "validate_name",
@@ -89,14 +98,24 @@ def token_digest(token_bytes: bytes) -> str:
 
 @dataclass(frozen=True)
 class KeySpace:
-    """Builds every key name from a prefix and a tenant."""
+    """Builds every key name from a prefix, a tenant and its cache namespace.
+
+    `cache_namespace` is the first part of cached vectors' keys: empty means the tenant's own.
+    """
 
     prefix: str = "lmq"
     tenant: str = "default"
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         validate_name("prefix", self.prefix)
         validate_name("tenant", self.tenant)
+        if self.cache_namespace:
+            validate_name("cache namespace", self.cache_namespace)
+
+    def for_tenant(self, tenant: str, cache_namespace: str = "") -> KeySpace:
+        """The same layout for another tenant (a worker serves them all)."""
+        return KeySpace(self.prefix, tenant, cache_namespace)
 
     # -- model registry (global) -------------------------------------------------------------
     def models(self) -> str:
@@ -123,23 +142,36 @@ class KeySpace:
         """The hash of one worker's recent figures (what it serves, batches/s), for operators."""
         return f"{self.prefix}:model:{{{model}}}:worker:{worker}"
 
+    def tenants(self) -> str:
+        """The hash of tenant name -> JSON config, written by the operator (``lmq tenant``)."""
+        return f"{self.prefix}:tenants"
+
     # -- per tenant ----------------------------------------------------------------------------
     def requests(self, model: str) -> str:
-        """The model's request stream."""
-        return f"{self.prefix}:{self.tenant}:model:{model}:requests"
+        """The tenant's request stream of the model."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:requests"
 
     def dead_letters(self, model: str) -> str:
-        """The model's dead-letter stream."""
-        return f"{self.prefix}:{self.tenant}:model:{model}:dead"
+        """The tenant's dead-letter stream of the model."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:dead"
 
     def replies(self, client_id: str) -> str:
-        """The reply stream of one client."""
-        return f"{self.prefix}:{self.tenant}:client:{client_id}:replies"
+        """The reply stream of one client of the tenant."""
+        return f"{self.prefix}:{self.tenant}:client:{{{client_id}}}:replies"
 
     def cache_entry(self, model: str, revision: str, kind: str, token_bytes: bytes) -> str:
         """The shared-cache key of one result: model, revision, result kind, exact tokens."""
         digest = token_digest(token_bytes)
-        return f"{self.prefix}:{self.tenant}:cache:{model}:{revision}:{kind}:{digest}"
+        namespace = self.cache_namespace or self.tenant
+        return f"{self.prefix}:{namespace}:cache:{model}:{revision}:{kind}:{digest}"
+
+    def quota(self, model: str) -> str:
+        """The tenant's limits for the model (hash), read by its admission script."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:quota"
+
+    def rate(self, model: str) -> str:
+        """The tenant's token-rate bucket for the model, written by its admission script."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:rate"
 
     # -- experiments (the scheduler) ---------------------------------------------------------
     def experiment_inbox(self) -> str:
@@ -172,6 +204,60 @@ class KeySpace:
     def scheduler_queue(self) -> str:
         """The arq queue (a zset arq owns) the scheduler's jobs wait in."""
         return f"{self.prefix}:_sched:queue"
+
+
+@dataclass(frozen=True)
+class KeyPatterns:
+    """The key layout as ACL glob patterns: one tenant's keys, or every tenant's (``"*"``).
+
+    Names never hold a glob character (`validate_name`), so a tenant's patterns begin with
+    ``<prefix>:<tenant>:`` and match no other tenant's keys.
+    """
+
+    prefix: str = "lmq"
+    tenant: str = "*"
+
+    def __post_init__(self) -> None:
+        validate_name("prefix", self.prefix)
+        if self.tenant != "*":
+            validate_name("tenant", self.tenant)
+
+    def registry(self) -> list[str]:
+        """What clients read to use a model: the model set, info, tokenizer, vocabulary."""
+        model = f"{self.prefix}:model:*"
+        return [f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab"]
+
+    def registry_all(self) -> list[str]:
+        """Every registry key, the workers' live sets included (what workers write)."""
+        return [f"{self.prefix}:models", f"{self.prefix}:model:*"]
+
+    def tenants(self) -> str:
+        """The tenants hash."""
+        return f"{self.prefix}:tenants"
+
+    def requests(self) -> str:
+        """Request streams of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:requests"
+
+    def quota(self) -> str:
+        """Quota hashes of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:quota"
+
+    def rate(self) -> str:
+        """Rate buckets of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:rate"
+
+    def dead_letters(self) -> str:
+        """Dead-letter streams of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:dead"
+
+    def replies(self) -> str:
+        """Reply streams of every client."""
+        return f"{self.prefix}:{self.tenant}:client:*:replies"
+
+    def cache(self, namespace: str | None = None) -> str:
+        """Cached vectors of one cache namespace (default: the tenant's own; ``*``: all)."""
+        return f"{self.prefix}:{namespace or self.tenant}:cache:*"
 
 
 #: arq's key of a running job (fixed by arq, whatever the queue): ``arq:in-progress:<job id>``.

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
@@ -37,6 +38,7 @@ __all__ = [
     "DEFAULT_MAX_WAIT_MS",
     "configured_redis_url",
     "model_cache_dir",
+    "url_user",
 ]
 
 T = TypeVar("T")
@@ -56,6 +58,12 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     """The queue URL set in the environment (``LMQ_REDIS_URL`` or ``REDIS_URL``), else None."""
     environ = os.environ if environ is None else environ
     return environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL") or None
+
+
+def url_user(url: str) -> str | None:
+    """The ACL user name in a Redis URL (``redis://alice:pw@host/0`` -> alice), else None."""
+    username = urlsplit(url).username
+    return unquote(username) if username else None
 
 
 def model_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -247,7 +255,12 @@ class ClientSettings:
         settings = settings or cls.from_env()
         if redis_url is not None:
             overrides.setdefault("redis", replace(settings.redis, url=redis_url))
-        return replace(settings, **overrides) if overrides else settings
+        settings = replace(settings, **overrides) if overrides else settings
+        user = url_user(settings.redis.url)
+        if user and user != "default" and user != settings.redis.tenant:
+            # the tenant is the URL's ACL user: no second setting to keep in agreement
+            settings = replace(settings, redis=replace(settings.redis, tenant=user))
+        return settings
 
 
 def _require_positive(settings: Any, *names: str) -> None:

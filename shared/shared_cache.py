@@ -18,6 +18,7 @@ from typing import Any
 
 from .connections import bounded, multi_get
 from .keys import KeySpace
+from .wire import holds_vector
 
 __all__ = ["SharedCache", "logprobs_kind"]
 
@@ -33,11 +34,19 @@ class SharedCache:
     """Batched get and put of result vectors for one model revision."""
 
     def __init__(
-        self, redis: Any, keys: KeySpace, model: str, revision: str, timeout_s: float = 10.0
+        self,
+        redis: Any,
+        keys: KeySpace,
+        model: str,
+        revision: str,
+        timeout_s: float = 10.0,
+        vector_size: int = 0,
     ) -> None:
         self.redis = redis
         self.timeout_s = timeout_s
         self._mget = multi_get(redis)  # split per node on a cluster
+        #: Values read must hold exactly this many values of their dtype (0: whole values).
+        self.vector_size = vector_size
         self._keys = keys
         self._model = model
         self._revision = revision
@@ -48,15 +57,30 @@ class SharedCache:
             self._model, self._revision, logprobs_kind(dtype), token_bytes
         )
 
-    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Values of `keys` in order, None for misses; all misses if the cache is unreachable."""
+    async def get_many(
+        self, keys: Sequence[str], dtypes: Sequence[str] | None = None
+    ) -> list[bytes | None]:
+        """Values of `keys` in order, None for misses; all misses if the cache is unreachable.
+
+        With `dtypes` (one per key), a value that is not a vector of that dtype and of
+        `vector_size` values is a miss: whoever wrote it, it is never handed out.
+        """
         if not keys:
             return []
         try:
-            return list(await bounded(self._mget(keys), self.timeout_s, "shared cache read"))
+            values = list(await bounded(self._mget(keys), self.timeout_s, "shared cache read"))
         except Exception as exc:  # the cache is an optimisation; never fail a request on it
             logger.warning("shared cache read failed: %s", exc)
             return [None] * len(keys)
+        if dtypes is None:
+            return values
+        checked = [
+            value if value is None or holds_vector(value, dtype, self.vector_size) else None
+            for value, dtype in zip(values, dtypes, strict=True)
+        ]
+        if (bad := sum(v is not None for v in values) - sum(v is not None for v in checked)) > 0:
+            logger.warning("ignored %d cached values of the wrong size or dtype", bad)
+        return checked
 
     async def put_many(self, items: Sequence[tuple[str, Any]], ttl_s: int) -> list[bool]:
         """Store `(key, value)` pairs with a TTL; which were stored, in order.

@@ -122,6 +122,22 @@ def check_payload(payload: bytes | memoryview, dtype: str) -> None:
         raise MalformedMessage(f"{size} payload bytes do not hold whole {dtype} values")
 
 
+def holds_vector(value: Any, dtype: str, vector_size: int = 0) -> bool:
+    """Whether a cached or claimed `value` is a vector of `dtype` (and `vector_size` values).
+
+    Readers of cached vectors trust nothing they did not compute: anything else is a miss.
+    """
+    if not value:
+        return False
+    itemsize = _ITEMSIZES.get(dtype)
+    if itemsize is None:
+        return False
+    size = value.nbytes if isinstance(value, memoryview) else len(value)
+    if vector_size:
+        return size == vector_size * itemsize
+    return size % itemsize == 0
+
+
 #: Largest piece converted by one torch op. From 32,768 elements (ATen's GRAIN_SIZE) torch hands
 #: an op to its OpenMP team, whose threads then spin for milliseconds, burning the cores the
 #: queue needs; below, it runs inline. Fewer pieces, less overhead: 49,152 values convert in

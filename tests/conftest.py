@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
+from lmqueue.local_redis import LocalRedis, free_port
 
 SMOL = "smollm2-135m"
 ENGINE_CLASSES = Path(__file__).resolve().parent.parent / ".engine-classes"
@@ -111,3 +112,39 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_tokenizer: Any
     model.save_pretrained(path)
     smol_tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A redis-server speaking only TLS, with a certificate made by openssl now.
+
+    Yields the ``rediss://`` URL of its (all-permissions) default user, which verifies the
+    server against the certificate, and the certificate's path.
+    """
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+            "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+            "--tls-auth-clients", "no"]  # fmt: skip
+    server = LocalRedis(args=args)
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_check_hostname=true"
+    server.start(ready=lambda: _answers_over_tls(url))
+    yield url, cert
+    server.close()
+
+
+def _answers_over_tls(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+    finally:
+        client.close()

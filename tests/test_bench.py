@@ -124,3 +124,26 @@ def test_programs_benchmark_runs_both_sides_in_separate_processes(
         assert len(figures["per_program"]) == 1
     assert set(result["ratios"]) == {"k1_calls_per_s", "k1_memory"}
     assert _last_line(capsys.readouterr().out).startswith("programs ratio lmqueue/genlm: K=1")
+
+
+def test_fairness_benchmark_reports_fair_share_beside_fifo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = (
+        "--warmup-s 0.3 --measure-s 1.5 --flood-inflight 200 --weighted-inflight 50 "
+        "--light-inflight 8 --docs-plot="
+    )
+    argv = ["fairness", *flags.split(), "--out-dir", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _result(tmp_path, "fairness")
+    for scheme in ("fair_share", "fifo"):
+        figures = result["figures"][scheme]
+        assert figures["light_alone"]["calls"] > 0 and figures["light_under_flood"]["calls"] > 0
+        assert figures["tokens_per_s_flood_alone"] > 0
+    assert set(result["ratios"]) == {
+        "p99_under_flood_over_alone", "p99_under_flood_over_alone_fifo",
+        "weighted_tokens_2_over_1", "throughput_under_flood_over_alone",
+    }  # fmt: skip
+    assert result["figures"]["weights"]["tokens_weight_2"] > 0
+    assert (tmp_path / "fairness.png").stat().st_size > 0
+    assert _last_line(capsys.readouterr().out).startswith("fairness: B's p99 under flood")

@@ -22,7 +22,7 @@ def test_worker_settings_come_from_lmq_variables():
     assert settings.batch_size == 8 and settings.cache_writes is False
     assert settings.backend_opts == {"batch_delay_s": 0.5}
     assert settings.redis.url == "redis://example:6380/2"
-    assert settings.redis.keyspace().requests("m") == "lmq:team-a:model:m:requests"
+    assert settings.redis.keyspace().requests("m") == "lmq:team-a:model:{m}:requests"
 
 
 def test_lmq_redis_url_wins_over_redis_url():

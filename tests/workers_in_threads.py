@@ -30,9 +30,9 @@ class ThreadedWorker:
     ):
         self.backend = backend
         self.masses = masses
+        redis = settings.pop("redis", None) or RedisSettings(url=redis_url)
         self.settings = WorkerSettings(
-            model=model, backend="mock", redis=RedisSettings(url=redis_url), name="t-worker",
-            **settings,
+            model=model, backend="mock", redis=redis, name="t-worker", **settings,
         )  # fmt: skip
         self.worker: Worker | None = None
         self._loop = asyncio.new_event_loop()

@@ -45,6 +45,10 @@ class Outcome:
     claimable: list[Claimable] = field(default_factory=list)
     #: Replies by outcome, for metrics: ``ok`` or the error's class name as sent on the wire.
     outcomes: Counter[str] = field(default_factory=Counter)
+    #: What the batch cost the backend: distinct prompts computed, and their tokens (cache
+    #: hits and requests sharing a prompt cost nothing more); the fair-share charge.
+    computed_prompts: int = 0
+    computed_tokens: int = 0
 
     def result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
@@ -78,3 +82,5 @@ class Outcome:
         self.dead.extend(other.dead)
         self.claimable.extend(other.claimable)
         self.outcomes.update(other.outcomes)
+        self.computed_prompts += other.computed_prompts
+        self.computed_tokens += other.computed_tokens

@@ -221,6 +221,8 @@ class BatchProcessor:
         computed = await self._compute(missing)
         if missing and self.metrics is not None:
             self.metrics.observe_forward(time.perf_counter() - started)
+        outcome.computed_prompts += len(missing)
+        outcome.computed_tokens += sum(len(prompt) // 4 for prompt in missing)
         #: (prompt, dtype) -> the cache key its payload is being written under
         written: dict[tuple[bytes, str], str] = {}
         for prompt in missing:
@@ -263,7 +265,8 @@ class BatchProcessor:
             return {}
         keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
         values = await self.cache.get_many(
-            [self.cache.key(dtype, prompt) for prompt, dtype in keys]
+            [self.cache.key(dtype, prompt) for prompt, dtype in keys],
+            [dtype for _, dtype in keys],
         )
         found: dict[tuple[bytes, str], Payload] = {
             key: value for key, value in zip(keys, values, strict=True) if value is not None

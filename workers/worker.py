@@ -1,10 +1,17 @@
-"""`Worker`: one model's request stream -> batches -> backend -> replies, on one event loop.
+"""`Worker`: one model's request streams -> fair batches -> backend -> replies, on one loop.
 
-The loop reads batches through the consumer group and hands each to a task, keeping at most
-`prefetch` batches in flight: while the backend computes one batch (off the loop, on its own
-thread or device), the next is already read, decoded and looked up in the cache. Beside the
-read loop run a heartbeat (which also re-publishes the model after a Redis restart) and a
-janitor that reclaims entries abandoned by dead workers.
+A worker serves every tenant of its model (`TenantLanes`: one request stream per tenant, all
+read by one XREADGROUP). What it reads goes to a `FairShare` scheduler, which picks each batch
+by weighted virtual token counters, so a tenant flooding its stream cannot delay the others
+and an idle tenant's share goes to the rest. A batch is split by tenant and each part runs
+with its tenant's keys (replies, cache namespace, acknowledgements), concurrently: the backend
+batches concurrent calls into one forward.
+
+The loop hands each batch to a task, keeping at most `prefetch` batches in flight: while the
+backend computes one batch (off the loop, on its own thread or device), the next is already
+read, decoded and looked up in the cache. Beside the read loop run a heartbeat (which also
+re-publishes the model after a Redis restart), a tenant refresh (new tenants are served within
+a few seconds) and a janitor that reclaims entries abandoned by dead workers, on every lane.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -27,25 +34,30 @@ from shared.lm.interface import AsyncLM
 from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
-from shared.shared_cache import SharedCache
 from shared.worker_stats import WorkerStats, write_worker_stats
 
+from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
 from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
+from .tenant_lanes import Lane, TenantLanes
 
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
 
 _IDLE_BLOCK_MS = 500
+#: Fair-share cost of one request beyond its prompt tokens (a row's reply and bookkeeping).
+CALL_COST_TOKENS = 8
+#: How often the operator's tenant list is read again.
+TENANT_REFRESH_S = 2.0
 
 
 class Worker:
-    """Serves one model from its request stream until told to stop."""
+    """Serves one model for every tenant until told to stop."""
 
     def __init__(
         self,
@@ -62,30 +74,42 @@ class Worker:
         self.backend = backend
         self.redis = redis
         self.keys = settings.redis.keyspace()
-        self.stream = RequestStream(redis, self.keys.requests(settings.model), settings.name)
         self.registry = ModelRegistry(redis, self.keys)
         self.info = self._model_info()
         self.metrics = metrics or WorkerMetrics(settings.model)
         self.metrics.watch_backend(backend)
         self.health = health or health_state(settings)
-        cache = None
-        if settings.cache_writes:
-            cache = SharedCache(
-                cache_redis or redis, self.keys, settings.model, self.info.revision,
-                settings.redis.stall_timeout_s,
-            )  # fmt: skip
-        self.processor = BatchProcessor(
-            backend, cache, self.info.max_prompt_tokens, settings.max_request_bytes, masses,
-            self.metrics,
-        )  # fmt: skip
-        self.writer = ReplyWriter(redis, self.stream, self.keys, settings, cache, self.metrics)
-        self.janitor = Janitor(self.stream, self.keys, settings)
+        self.lanes = TenantLanes(
+            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
+        )
+        self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
         self.prefetch = prefetch
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._started_ms = int(time.time() * 1000)
         self._stats_refused = False
+
+    # the settings' tenant: what a single-tenant deployment uses
+    @property
+    def stream(self) -> RequestStream:
+        """The request stream of the settings' tenant."""
+        return self.lanes.default.stream
+
+    @property
+    def processor(self) -> BatchProcessor:
+        """The batch processor of the settings' tenant."""
+        return self.lanes.default.processor
+
+    @property
+    def writer(self) -> ReplyWriter:
+        """The reply writer of the settings' tenant."""
+        return self.lanes.default.writer
+
+    @property
+    def janitor(self) -> Janitor:
+        """The janitor of the settings' tenant's stream."""
+        return self.lanes.default.janitor
 
     def _model_info(self) -> ModelInfo:
         backend, settings = self.backend, self.settings
@@ -104,12 +128,13 @@ class Worker:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def publish(self) -> None:
-        """Create the stream and group, and publish the model for clients."""
+        """Create the streams and groups, load the admission script, publish the model."""
         if self._tokenizer_files is None:
             self._tokenizer_files = await asyncio.to_thread(
                 tokenizer_to_files, self.backend.tokenizer
             )
-        await self.stream.ensure_group()
+        await self._refresh_tenants()
+        await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]
         await self.registry.publish(self.info, self._tokenizer_files, vocab)
         await self._beat()
@@ -120,7 +145,7 @@ class Worker:
     @contextlib.asynccontextmanager
     async def _computing(self) -> AsyncIterator[None]:
         """What computing needs while serving: the mass computer's batcher, if any."""
-        masses = self.processor.mass_computer
+        masses = self.lanes.masses
         if masses is None:
             yield
             return
@@ -136,6 +161,7 @@ class Worker:
         await self._retry_until_up(self.publish, stop)
         background = [
             asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._tenant_loop(stop), name="tenants"),
             asyncio.create_task(self._not_ready_once(stop), name="readiness"),
         ]
         self.health.mark_serving()
@@ -165,27 +191,28 @@ class Worker:
         before = self.answered
         async with self._computing():
             await self._drain_own_pending()
-            while entries := await self._read_batch(block_ms=None):
-                await self._handle(entries)
+            while picks := await self._read_batch(block_ms=None):
+                await self._handle(picks)
         return self.answered - before
 
     # -- reading ---------------------------------------------------------------------------------
     async def _drain_own_pending(self) -> None:
         """Answer entries this consumer took before a crash or restart, before new work."""
-        await self._recover(self.janitor.own_pending())
+        for lane in self.lanes:
+            await self._recover(lane, lane.janitor.own_pending())
 
     async def _recover(
-        self, entries: AsyncGenerator[Entry, None], stop: asyncio.Event | None = None
+        self, lane: Lane, entries: AsyncGenerator[Entry, None], stop: asyncio.Event | None = None
     ) -> None:
         """Answer entries delivered before, each alone (see `Janitor`); park exhausted ones."""
         async with contextlib.aclosing(entries):
             async for entry in entries:
                 self.health.tick()
-                parked = await self.janitor.park_if_exhausted(entry)
+                parked = await lane.janitor.park_if_exhausted(entry)
                 if parked is not None:
-                    await self.writer.flush(parked)
+                    await lane.writer.flush(parked)
                 else:
-                    await self._handle([entry])
+                    await self._handle_lane(lane, [entry])
                 if stop is not None and stop.is_set():
                     return
 
@@ -216,35 +243,85 @@ class Worker:
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.error("a batch failed; its entries stay pending", exc_info=exc)
 
-    async def _read_batch(self, block_ms: int | None) -> list[Entry]:
-        """Up to batch_size entries: block for the first, then wait max_wait_ms for more."""
+    async def _read_batch(self, block_ms: int | None) -> list[Pick[tuple[Lane, Entry]]]:
+        """The next fair batch: read what the scheduler lacks, then let it pick.
+
+        Blocks for the first entry only when nothing is queued; waits max_wait_ms for more
+        when the batch would not be full.
+        """
         size = self.settings.batch_size
-        entries = await self.stream.read_new(size, block_ms)
-        if entries and len(entries) < size and self.settings.max_wait_ms:
+        if not self.scheduler.backlog():
+            await self._read_into_scheduler(block_ms)
+        if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
             await asyncio.sleep(self.settings.max_wait_ms / 1000)
-            entries += await self.stream.read_new(size - len(entries), None)
-        return entries
+        await self._read_into_scheduler(None)
+        return self.scheduler.pick(size, self.settings.max_batch_tokens)
+
+    async def _read_into_scheduler(self, block_ms: int | None) -> None:
+        """Read new entries of every lane holding less than a batch in the scheduler."""
+        size = self.settings.batch_size
+        wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
+        by_lane: dict[str, list[Entry]] = {}
+        for lane, entry in await self.lanes.read(wanting, size, block_ms):
+            by_lane.setdefault(lane.tenant, []).append(entry)
+        for tenant, entries in by_lane.items():
+            lane = self.lanes.lane(tenant)
+            entries, refused = await self.lanes.over_cap(lane, entries)
+            if refused.acks:
+                await lane.writer.flush(refused)
+                self.answered += len(refused.acks)
+            self.scheduler.set_weight(tenant, lane.weight)
+            for entry in entries:
+                self.scheduler.add(tenant, (lane, entry), _estimated_tokens(entry))
 
     # -- answering -------------------------------------------------------------------------------
-    async def _handle(self, entries: Sequence[Entry]) -> None:
-        """Process one batch and write its outcome; keep its claims fresh meanwhile."""
-        self.metrics.observe_queue_wait(self.keys.tenant, [e.entry_id for e in entries])
-        keepalive = asyncio.create_task(self._keep_claims([e.entry_id for e in entries]))
+    async def _handle(self, picks: Sequence[Pick[tuple[Lane, Entry]]]) -> None:
+        """Answer one fair batch: each tenant's part with its own keys, all at once."""
+        parts: dict[str, tuple[Lane, list[Entry]]] = {}
+        for pick in picks:
+            lane, entry = pick.item
+            parts.setdefault(lane.tenant, (lane, []))[1].append(entry)
+        charged: dict[str, float] = {}
+        for pick in picks:
+            charged[pick.item[0].tenant] = charged.get(pick.item[0].tenant, 0.0) + pick.charged
+        results = await asyncio.gather(
+            *(
+                self._handle_lane(lane, entries, charged[lane.tenant])
+                for lane, entries in parts.values()
+            ),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _handle_lane(
+        self, lane: Lane, entries: Sequence[Entry], charged: float = 0.0
+    ) -> None:
+        """Process one tenant's entries and write their outcome; keep their claims fresh.
+
+        The tenant's fair-share charge becomes what the forward cost (distinct prompts
+        computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
+        """
+        self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
+        keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
-            outcome = await self.processor.process(entries)
+            outcome = await lane.processor.process(entries)
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
-        await self.writer.flush(outcome)
+        cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
+        self.scheduler.adjust(lane.tenant, cost - charged)
+        await lane.writer.flush(outcome)
         self.answered += len(outcome.acks)
 
-    async def _keep_claims(self, entry_ids: list[str]) -> None:
+    async def _keep_claims(self, lane: Lane, entry_ids: list[str]) -> None:
         """Reset the entries' idle time while a long batch runs, so no janitor steals them."""
         interval_s = self.settings.claim_idle_ms / 3000
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.stream.touch(entry_ids)
+                await lane.stream.touch(entry_ids)
             except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
                 logger.info("keeping claims fresh failed: %s", exc)
 
@@ -280,10 +357,10 @@ class Worker:
         batches_per_s, requests_per_s = self.metrics.rates()
         hits, misses = self.metrics.shared_cache_counts()
         stats = WorkerStats(
-            self.info.name, self.settings.backend, self.info.revision, (self.keys.tenant,),
-            self.settings.batch_size, self._started_ms, int(time.time() * 1000),
-            self.metrics.batches_total, self.metrics.requests_total, batches_per_s,
-            requests_per_s, hits, misses,
+            self.info.name, self.settings.backend, self.info.revision,
+            tuple(lane.tenant for lane in self.lanes), self.settings.batch_size,
+            self._started_ms, int(time.time() * 1000), self.metrics.batches_total,
+            self.metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
         )  # fmt: skip
         ttl_s = max(10, int(5 * self.settings.heartbeat_s))
         try:
@@ -298,20 +375,35 @@ class Worker:
         await stop.wait()
         self.health.mark_stopping()
 
+    async def _tenant_loop(self, stop: asyncio.Event) -> None:
+        """Pick up new tenants and changed settings every few seconds, without a restart."""
+        while not stop.is_set():
+            await _sleep_unless(stop, TENANT_REFRESH_S)
+            try:
+                await self._refresh_tenants()
+            except REDIS_TROUBLE as exc:
+                logger.warning("reading tenants failed: %s", exc)
+
+    async def _refresh_tenants(self) -> None:
+        await self.lanes.refresh()
+        for lane in self.lanes:
+            self.scheduler.set_weight(lane.tenant, lane.weight)
+
     async def _janitor_loop(self, stop: asyncio.Event) -> None:
-        """Recover idle entries of dead workers and prune; no failure ends the loop."""
+        """Recover idle entries of dead workers on every lane, and prune; nothing ends it."""
         interval_s = max(self.settings.claim_idle_ms / 2000, 0.05)
         while not stop.is_set():
             await _sleep_unless(stop, interval_s)
             if stop.is_set():
                 return
-            try:
-                await self._recover(self.janitor.idle_entries(), stop)
-                await self.janitor.prune_if_due()
-            except REDIS_TROUBLE as exc:
-                logger.warning("janitor sweep failed: %s", exc)
-            except Exception:
-                logger.exception("janitor sweep failed")
+            for lane in self.lanes:
+                try:
+                    await self._recover(lane, lane.janitor.idle_entries(), stop)
+                    await lane.janitor.prune_if_due()
+                except REDIS_TROUBLE as exc:
+                    logger.warning("janitor sweep of %s failed: %s", lane.tenant, exc)
+                except Exception:
+                    logger.exception("janitor sweep of %s failed", lane.tenant)
 
     async def _retry_until_up(self, action: Any, stop: asyncio.Event) -> None:
         delay_s = 0.1
@@ -327,6 +419,17 @@ class Worker:
                 delay_s = min(delay_s * 2, 5.0)
 
 
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, waking early when `stop` is set."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+def _estimated_tokens(entry: Entry) -> int:
+    """A request's prompt tokens, from its envelope's size (4 bytes a token, ~64 of header)."""
+    return max((len(entry.fields.get(b"m", b"")) - 64) // 4, 1)
+
+
 def health_state(settings: WorkerSettings) -> HealthState:
     """Probe thresholds for a worker: its read loop turns at least every stall timeout plus
     half a second, its heartbeat loop every `heartbeat_s`; allow several of each."""
@@ -334,9 +437,3 @@ def health_state(settings: WorkerSettings) -> HealthState:
         loop_stale_s=max(60.0, 3 * settings.redis.stall_timeout_s),
         heartbeat_stale_s=max(30.0, 5 * settings.heartbeat_s),
     )
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep `seconds`, waking early when `stop` is set."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)

@@ -26,9 +26,12 @@ BENCHMARKS = {
     "trie": "lmqueue.bench.trie",
     "programs": "lmqueue.bench.programs",
     "cluster": "lmqueue.bench.cluster",
+    "fairness": "lmqueue.bench.fairness",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
-ALL_ORDER = ["transport", "cache", "scaling", "cluster", "model", "memory", "trie", "programs"]
+ALL_ORDER = [
+    "transport", "cache", "scaling", "cluster", "fairness", "model", "memory", "trie", "programs",
+]  # fmt: skip
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]
 

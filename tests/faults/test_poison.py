@@ -10,7 +10,7 @@ from workers.backends.mock import MockAsyncLM
 from workers.processor import BatchProcessor
 from workers.request_stream import Entry
 
-from .harness import Load, assert_clean, connect, make_prompts, probe, settled_streams
+from .harness import KEYS, MODEL, Load, assert_clean, connect, make_prompts, probe, settled_streams
 
 POISON, CRASH = 666, 777
 
@@ -78,7 +78,7 @@ async def test_a_request_that_kills_every_worker_running_it_is_dead_lettered(
             load = Load(lm, prompts, {50: DeadLettered})
             figures = load.check(await load.run("a request that kills its worker"), reference)
             left = await settled_streams(redis)
-            dead = await redis.xrange("lmq:default:model:smollm2-135m:dead")
+            dead = await redis.xrange(KEYS.dead_letters(MODEL))
         finally:
             supervisor.cancel()
     figures.extra.update(worker_crashes=crashes, dead_letters=left["dead_letters"])

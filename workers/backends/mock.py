@@ -31,6 +31,8 @@ class MockAsyncLM(AsyncLM):
         tokenizer: a HuggingFace tokenizer; its vocabulary sizes the vectors.
         batch_delay_s: each batch sleeps this long, like a GPU busy on a forward pass (no CPU
             is used while waiting), so a worker's throughput is bounded as a real one's is.
+        token_delay_s: each batch also sleeps this long per prompt token in it, so a batch
+            costs in proportion to the tokens it computes (the fairness benchmark).
         poison_token: a token id whose presence in a prompt fails the whole batch with
             `ModelError`, as a bad input can crash a shared forward pass (for fault tests).
         crash_token: a token id whose presence in a batch kills the whole process at once
@@ -56,6 +58,7 @@ class MockAsyncLM(AsyncLM):
         crash_token: int | None = None,
         oom_batch_size: int | None = None,
         vector_size: int = 0,
+        token_delay_s: float = 0.0,
         **vocab: Any,
     ) -> None:
         super().__init__(tokenizer, **vocab)
@@ -67,6 +70,7 @@ class MockAsyncLM(AsyncLM):
             )
         self._vector_size = vector_size or self.vocab_size
         self.batch_delay_s = batch_delay_s
+        self.token_delay_s = token_delay_s
         self.poison_token = poison_token
         self.crash_token = crash_token
         self.oom_batch_size = oom_batch_size
@@ -78,7 +82,7 @@ class MockAsyncLM(AsyncLM):
     #: lmqueue's own options of `from_name`; see workers.backends.options.
     OPTIONS = frozenset(
         {"batch_delay_s", "poison_token", "distinct_vectors", "crash_token", "oom_batch_size",
-         "vector_size"}
+         "vector_size", "token_delay_s"}
     )  # fmt: skip
 
     @classmethod
@@ -156,8 +160,9 @@ class MockAsyncLM(AsyncLM):
         await asyncio.sleep(0)  # let callers of this same instant join
         batch, self._waiting = self._waiting, []
         try:
-            if self.batch_delay_s:
-                await asyncio.sleep(self.batch_delay_s)
+            delay_s = self.batch_delay_s + self.token_delay_s * sum(len(ids) for ids, _ in batch)
+            if delay_s:
+                await asyncio.sleep(delay_s)
         except BaseException:
             self._waiting[:0] = batch
             raise

@@ -1,0 +1,202 @@
+"""`TenantAdmin`: what ``lmq tenant`` does, on a Redis connection holding admin credentials.
+
+Each tenant is an ACL user with the rules of `shared.tenants.tenant_acl_rules` and a JSON record
+in the ``lmq:tenants`` hash; its limits are mirrored into its ``:quota`` hash of every published
+model (workers keep mirroring them for models published later). Passwords are made here with
+`secrets`, sent to Redis only as SHA-256 hashes, and shown once, inside the URL to give the
+tenant. The admission script is loaded on every change, so tenants (who may only EVALSHA)
+find it. Where Redis has an ACL file, changes are saved to it (``ACL SAVE``), else they last
+until Redis restarts: say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from shared.admission_script import ADMISSION_LUA
+from shared.errors import SettingsError
+from shared.keys import KeySpace
+from shared.tenants import (
+    WORKER_USER,
+    TenantConfig,
+    password_hash,
+    quota_fields,
+    tenant_acl_rules,
+    validate_tenant,
+    worker_acl_rules,
+)
+
+__all__ = ["TenantAdmin", "TenantRow", "user_url"]
+
+logger = logging.getLogger(__name__)
+
+
+def user_url(admin_url: str, user: str, password: str) -> str:
+    """The admin's URL with its credentials replaced by `user`'s, database 0."""
+    parts = urlsplit(admin_url)
+    host = parts.hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{host}{port}"
+    return urlunsplit((parts.scheme, netloc, "/0", parts.query, ""))
+
+
+@dataclass(frozen=True)
+class TenantRow:
+    """One tenant as `TenantAdmin.tenants` reports it."""
+
+    config: TenantConfig
+    #: Whether Redis has the tenant's ACL user (a record without one cannot connect).
+    has_user: bool
+
+
+class TenantAdmin:
+    """Creates, changes and removes tenants and the workers' user (sync redis-py client)."""
+
+    def __init__(
+        self,
+        redis: Any,
+        url: str,
+        prefix: str = "lmq",
+        cache_redis: Any | None = None,
+        cache_url: str | None = None,
+    ) -> None:
+        self.redis = redis
+        self.url = url
+        self.prefix = prefix
+        self.keys = KeySpace(prefix)
+        #: A separate cache instance gets the same users (same passwords).
+        self.cache_redis = cache_redis
+        self.cache_url = cache_url
+        #: The cache instance's URL for the user of the last add/set/worker_user, if any.
+        self.last_cache_url: str | None = None
+
+    def _acl(self, *args: Any) -> None:
+        """Run one ACL command on the queue instance and on a separate cache instance."""
+        for client in (self.redis, self.cache_redis):
+            if client is not None:
+                client.execute_command("ACL", *args)
+
+    def _issue(self, user: str, password: str) -> str:
+        if self.cache_url is not None:
+            self.last_cache_url = user_url(self.cache_url, user, password)
+        return user_url(self.url, user, password)
+
+    # -- tenants ---------------------------------------------------------------------------------
+    def add(self, config: TenantConfig, password: str | None = None) -> str:
+        """Create tenant `config.name`; returns the URL (with a new password) to give it.
+
+        Raises:
+            SettingsError: if the tenant or its ACL user exists already, or is the admin's own.
+        """
+        self._not_myself(config.name)
+        if self.redis.hexists(self.keys.tenants(), config.name) or self._user_exists(config.name):
+            raise SettingsError(f"tenant {config.name!r} exists; use `lmq tenant set`")
+        password = password or secrets.token_urlsafe(24)
+        rules = tenant_acl_rules(config, self.prefix)
+        self._acl("SETUSER", config.name, "reset", "on", password_hash(password), *rules)
+        self._store(config)
+        return self._issue(config.name, password)
+
+    def set(self, name: str, new_password: bool = False, **changes: Any) -> str | None:
+        """Change a tenant's settings (and rules); returns a new URL if the password changed.
+
+        Raises:
+            SettingsError: if there is no such tenant.
+        """
+        self._not_myself(name)
+        config = replace(self.get(name), **changes)
+        rules = tenant_acl_rules(config, self.prefix)
+        password = secrets.token_urlsafe(24) if new_password else None
+        credentials = ["resetpass", password_hash(password)] if password else []
+        self._acl("SETUSER", name, *credentials, *rules)
+        self._store(config)
+        return self._issue(name, password) if password else None
+
+    def remove(self, name: str) -> None:
+        """Delete the tenant's user (its connections close), record and quota hashes.
+
+        Its request and reply streams stay: requests already accepted are still answered.
+        """
+        self._not_myself(validate_tenant(name))
+        self._acl("DELUSER", name)
+        self.redis.hdel(self.keys.tenants(), name)
+        tenant_keys = KeySpace(self.prefix, name)
+        quotas = [tenant_keys.quota(model) for model in self._models()]
+        if quotas:
+            self.redis.delete(*quotas)
+        self._save_acl()
+
+    def get(self, name: str) -> TenantConfig:
+        """The stored configuration of tenant `name`.
+
+        Raises:
+            SettingsError: if there is no such tenant.
+        """
+        raw = self.redis.hget(self.keys.tenants(), validate_tenant(name))
+        if raw is None:
+            raise SettingsError(f"no tenant {name!r} (lmq tenant list)")
+        return TenantConfig.from_json(name, raw)
+
+    def tenants(self) -> list[TenantRow]:
+        """Every tenant with a record, by name."""
+        records = self.redis.hgetall(self.keys.tenants())
+        users = {_text(u) for u in self.redis.execute_command("ACL", "USERS")}
+        rows = []
+        for raw_name, raw in sorted(records.items()):
+            name = _text(raw_name)
+            rows.append(TenantRow(TenantConfig.from_json(name, raw), name in users))
+        return rows
+
+    # -- workers ---------------------------------------------------------------------------------
+    def worker_user(self, name: str = WORKER_USER, password: str | None = None) -> str:
+        """Create or reset the workers' ACL user; returns its URL (new password)."""
+        self._not_myself(name)
+        password = password or secrets.token_urlsafe(24)
+        rules = worker_acl_rules(self.prefix)
+        self._acl("SETUSER", name, "reset", "on", password_hash(password), *rules)
+        self._save_acl()
+        return self._issue(name, password)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _store(self, config: TenantConfig) -> None:
+        """Write the record, mirror its quotas, load the admission script, save the ACLs."""
+        self.redis.hset(self.keys.tenants(), config.name, config.to_json())
+        tenant_keys = KeySpace(self.prefix, config.name)
+        fields = quota_fields(config)
+        for model in self._models():
+            self.redis.hset(tenant_keys.quota(model), mapping=fields)
+        self.redis.script_load(ADMISSION_LUA)
+        self._save_acl()
+
+    def _models(self) -> list[str]:
+        return sorted(_text(m) for m in self.redis.smembers(self.keys.models()))
+
+    def _user_exists(self, name: str) -> bool:
+        return name in {_text(u) for u in self.redis.execute_command("ACL", "USERS")}
+
+    def _not_myself(self, name: str) -> None:
+        if _text(self.redis.execute_command("ACL", "WHOAMI")) == name:
+            raise SettingsError(f"{name!r} is the user this command is connected as; refusing")
+
+    def acl_file(self) -> str | None:
+        """The ACL file Redis saves users to, or None (users last until Redis restarts)."""
+        path = _text(self.redis.config_get("aclfile").get("aclfile") or "")
+        return path or None
+
+    def _save_acl(self) -> None:
+        for client in (self.redis, self.cache_redis):
+            if client is None:
+                continue
+            if _text(client.config_get("aclfile").get("aclfile") or ""):
+                client.execute_command("ACL", "SAVE")
+            else:
+                logger.warning("Redis has no aclfile: users last only until Redis restarts")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

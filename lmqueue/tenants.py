@@ -1,0 +1,130 @@
+"""``lmq tenant``: create, change, list and remove tenants, and make the workers' user.
+
+    lmq tenant add NAME [--weight W] [--max-inflight N] [--max-tokens-per-s R]
+                        [--cache-namespace NS]                  prints the URL to give NAME
+    lmq tenant set NAME [same options] [--new-password]
+    lmq tenant list
+    lmq tenant remove NAME
+    lmq tenant worker-user [--name lmq-worker]                  prints the workers' URL
+
+``--redis-url`` carries the operator's admin credentials (default: ``$LMQ_REDIS_URL``, else
+``$REDIS_URL``); the URLs printed carry the same host and port with the new user's. With a
+separate cache instance, ``--cache-url`` (its admin URL) creates the same users there and
+prints the tenant's cache URL too (its ``LMQ_CACHE_URL``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shared.connections import sync_redis
+from shared.redis_errors import redis_boundary
+from shared.settings import DEFAULT_REDIS_URL, configured_redis_url
+from shared.tenants import WORKER_USER, TenantConfig
+
+from .tenant_admin import TenantAdmin
+
+__all__ = ["add_arguments", "run"]
+
+_LIMITS = ("weight", "max_inflight", "max_tokens_per_s", "cache_namespace")
+
+
+def _limit_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The per-tenant settings; `set` leaves unnamed ones as they are (default None)."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else None
+
+    parser.add_argument(
+        "--weight",
+        type=float,
+        default=default(1.0),
+        help="share of each worker relative to other busy tenants (default 1)",
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=default(0),
+        help="requests queued or running at once, per model (0: unlimited)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-s",
+        type=float,
+        default=default(0.0),
+        help="prompt tokens admitted per second, per model (0: unlimited)",
+    )
+    parser.add_argument("--cache-namespace", default=None,
+                        help="pool.<name> to share cached results with tenants naming the same "
+                        "pool (default: the tenant's own, private)")  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``lmq tenant`` subcommands and their flags."""
+    parser.add_argument("--redis-url", default=None, help="admin URL (default: $LMQ_REDIS_URL)")
+    parser.add_argument(
+        "--cache-url",
+        default=None,
+        help="admin URL of a separate cache instance: users are made there too",
+    )
+    parser.add_argument("--prefix", default="lmq", help="key prefix (default lmq)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="create a tenant; prints the URL to give it")
+    add.add_argument("name")
+    _limit_options(add, defaults=True)
+    change = actions.add_parser("set", help="change a tenant's settings")
+    change.add_argument("name")
+    _limit_options(change, defaults=False)
+    change.add_argument("--new-password", action="store_true", help="rotate; prints the new URL")
+    actions.add_parser("list", help="list tenants and their settings")
+    remove = actions.add_parser("remove", help="delete a tenant's user and settings")
+    remove.add_argument("name")
+    worker = actions.add_parser("worker-user", help="create or reset the workers' ACL user")
+    worker.add_argument("--name", default=WORKER_USER)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out one ``lmq tenant`` action; 0 on success."""
+    url = args.redis_url or configured_redis_url() or DEFAULT_REDIS_URL
+    redis = sync_redis(url)
+    cache = sync_redis(args.cache_url) if args.cache_url else None
+    try:
+        with redis_boundary(f"lmq tenant {args.action}"):
+            admin = TenantAdmin(redis, url, args.prefix, cache, args.cache_url)
+            return _act(admin, args)
+    finally:
+        redis.close()
+        if cache is not None:
+            cache.close()
+
+
+def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
+    if args.action == "add":
+        values = {k: getattr(args, k) for k in _LIMITS if getattr(args, k) is not None}
+        print(admin.add(TenantConfig(args.name, **values)))
+    elif args.action == "set":
+        changes = {k: getattr(args, k) for k in _LIMITS if getattr(args, k) is not None}
+        new_url = admin.set(args.name, new_password=args.new_password, **changes)
+        print(new_url or f"updated tenant {args.name}")
+    elif args.action == "list":
+        _print_table(admin)
+    elif args.action == "remove":
+        admin.remove(args.name)
+        print(f"removed tenant {args.name}")
+    else:
+        print(admin.worker_user(args.name))
+    if admin.last_cache_url:
+        print(f"cache: {admin.last_cache_url}")
+    if args.action != "list" and admin.acl_file() is None:
+        print("note: Redis has no aclfile; these users last only until Redis restarts")
+    return 0
+
+
+def _print_table(admin: TenantAdmin) -> None:
+    rows = admin.tenants()
+    print(f"{'tenant':20} {'weight':>7} {'inflight':>9} {'tokens/s':>9}  cache      user")
+    for row in rows:
+        c = row.config
+        print(f"{c.name:20} {c.weight:7g} {c.max_inflight or '-':>9} "
+              f"{c.max_tokens_per_s or '-':>9}  {c.cache_namespace:10} "
+              f"{'yes' if row.has_user else 'MISSING'}")  # fmt: skip

@@ -1,0 +1,60 @@
+"""ops/redis configs ship with ACLs on: nothing but PING without a user; `lmq tenant` users last."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import redis
+
+from lmqueue.local_redis import LocalRedis
+from lmqueue.tenant_admin import TenantAdmin
+from shared.tenants import TenantConfig
+
+OPS = Path(__file__).resolve().parent.parent / "ops" / "redis"
+
+
+def _bootstrapped(tmp_path: Path, role: str) -> LocalRedis:
+    """The role's config with the example ACL file (admin password "pw") in place."""
+    acl = tmp_path / "users.acl"
+    digest = hashlib.sha256(b"pw").hexdigest()
+    acl.write_text((OPS / "users.acl.example").read_text().replace("<sha256-of-password>", digest))
+    conf = (OPS / f"{role}.conf").read_text().replace("/data/users.acl", str(acl))
+    conf = conf.replace("maxmemory 4gb", "maxmemory 64mb").replace(
+        "maxmemory 8gb", "maxmemory 64mb"
+    )
+    (tmp_path / f"{role}.conf").write_text(conf)
+    return LocalRedis(args=["--include", str(tmp_path / f"{role}.conf")])
+
+
+@pytest.mark.parametrize("role", ["queue", "cache"])
+def test_without_a_user_only_ping_is_allowed(tmp_path: Path, role: str) -> None:
+    with _bootstrapped(tmp_path, role) as server:
+        anonymous = redis.Redis(port=server.port)
+        assert anonymous.ping()
+        for command in (("GET", "x"), ("KEYS", "*"), ("CONFIG", "GET", "*"), ("XLEN", "s")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                anonymous.execute_command(*command)
+        admin = redis.Redis(port=server.port, username="lmq-admin", password="pw")
+        assert admin.set("x", 1)
+
+
+def test_tenant_users_are_saved_and_survive_a_restart(tmp_path: Path) -> None:
+    with _bootstrapped(tmp_path, "queue") as server:
+        admin_url = f"redis://lmq-admin:pw@127.0.0.1:{server.port}/0"
+        admin = redis.Redis.from_url(admin_url)
+        url = TenantAdmin(admin, admin_url).add(TenantConfig("alice"))
+        admin.close()
+        assert "user alice on" in (tmp_path / "users.acl").read_text()
+        server.restart()
+        assert redis.Redis.from_url(url).ping()
+
+
+def test_redis_refuses_to_start_without_the_acl_file(tmp_path: Path) -> None:
+    conf = (OPS / "queue.conf").read_text().replace("/data/users.acl", str(tmp_path / "none"))
+    (tmp_path / "queue.conf").write_text(conf)
+    server = LocalRedis(args=["--include", str(tmp_path / "queue.conf")])
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        server.start(timeout_s=5)
+    server.close()

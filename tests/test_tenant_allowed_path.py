@@ -1,0 +1,72 @@
+"""The allowed path works with nothing but ACL credentials: a tenant's client, the workers' user.
+
+The worker runs as `lmq-worker`, the client as tenant `alice`: connect, next-token calls (inline
+replies, claim-checks fetched through `RespPipe` with AUTH user password, shared-cache hits)
+and trie masses through `QueueTrie`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import torch
+
+from lmqueue.tenant_admin import TenantAdmin
+from producer import QueueLM, QueueTrie
+from shared.settings import ClientSettings
+from shared.tenants import TenantConfig
+from workers.backends.mock import MockAsyncLM
+from workers.masses import TrieMasses
+from workers_in_threads import ThreadedWorker
+
+
+@dataclass
+class Urls:
+    alice: str
+    worker: str
+
+
+@pytest.fixture
+def urls(redis_url: str) -> Iterator[Urls]:
+    admin = redis.Redis.from_url(redis_url)
+    tenant_admin = TenantAdmin(admin, redis_url)
+    yield Urls(tenant_admin.add(TenantConfig("alice")), tenant_admin.worker_user())
+    admin.execute_command("ACL", "DELUSER", "alice", "lmq-worker")
+    admin.close()
+
+
+@pytest.fixture
+def backend(smol_tokenizer: object) -> MockAsyncLM:
+    return MockAsyncLM(smol_tokenizer)
+
+
+@pytest.fixture
+async def alice_lm(urls: Urls, backend: MockAsyncLM) -> AsyncIterator[QueueLM]:
+    """The worker finds alice in the tenants hash; the client is alice by its URL alone."""
+    masses = TrieMasses(backend.byte_vocab)
+    served = ThreadedWorker(backend, urls.worker, masses=masses).start()
+    lm = await QueueLM.connect("mock", redis_url=urls.alice, settings=ClientSettings())
+    yield lm
+    await lm.close()
+    served.stop()
+
+
+async def test_a_tenant_calls_and_gets_trie_masses_with_its_credentials_only(
+    alice_lm: QueueLM, backend: MockAsyncLM
+) -> None:
+    assert alice_lm.channel.reader.pipe is not None  # RespPipe, AUTH as alice
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    rows = await alice_lm.batch_next_token_logprobs(prompts)
+    for row, prompt in zip(rows, prompts, strict=True):
+        torch.testing.assert_close(row, backend.logprobs_of(prompt).float())
+    assert alice_lm.channel.claims.resolved >= 1  # from alice's cache namespace
+    trie = await QueueTrie.create(alice_lm)
+    masses = await trie.mass_sum([1, 2, 3])
+    assert masses[0] == pytest.approx(1.0, abs=1e-5)
+    alice_lm.clear_cache()
+    again = await alice_lm.next_token_logprobs([1, 2, 3])
+    torch.testing.assert_close(again, rows[0])
+    assert alice_lm.channel.submitter.cache_hits >= 1  # a shared-cache hit, read as alice

@@ -1,0 +1,228 @@
+"""`TenantLanes`: the request streams of every tenant of one model, as one worker serves them.
+
+A lane is one tenant's share of the worker: its request stream (in the consumer group every
+worker joins), and the reply writer, cache and janitor bound to that tenant's keys. Replies go
+to the reply stream of the *lane an entry was read from* (``lmq:<tenant>:client:{<id>}``),
+never to a tenant named in the entry, so a request in tenant A's stream can put nothing into
+tenant B's keys; cached vectors are read and written in the lane's cache namespace.
+
+Tenants come from the operator's ``lmq:tenants`` hash plus the worker's own settings tenant
+(``default``); `refresh` picks up new ones while the worker runs (every few seconds), mirrors
+each tenant's limits into its ``:quota`` hash of this model, and loads the admission script,
+which tenants may run but not load. All request streams of a model share the ``{<model>}``
+hash slot, so one XREADGROUP reads them all (`read`).
+
+A tenant's ``max_inflight`` binds clients through the admission script, which a client could
+skip by writing its stream directly; `over_cap` is the authoritative check: while a tenant's
+stream holds more entries than its cap, entries read from it beyond the cap are answered with
+`QuotaExceeded` instead of being run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from shared.admission_script import ADMISSION_LUA
+from shared.errors import InvalidName, MalformedMessage, QuotaExceeded
+from shared.keys import WORKER_GROUP, KeySpace, validate_client_id
+from shared.lm.interface import AsyncLM
+from shared.registry import ModelInfo
+from shared.settings import WorkerSettings
+from shared.shared_cache import SharedCache
+from shared.tenants import TenantConfig, quota_fields
+from shared.wire import decode_request
+
+from .janitor import Janitor
+from .metrics import WorkerMetrics
+from .outcome import Outcome
+from .processor import BatchProcessor, ForwardGate, MassComputer
+from .reply_writer import ReplyWriter
+from .request_stream import Entry, RequestStream
+
+__all__ = ["Lane", "TenantLanes"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Lane:
+    """One tenant's stream and the objects that answer it."""
+
+    tenant: str
+    keys: KeySpace
+    stream: RequestStream
+    processor: BatchProcessor
+    writer: ReplyWriter
+    janitor: Janitor
+    config: TenantConfig | None = None
+
+    @property
+    def weight(self) -> float:
+        """The tenant's fair-share weight (1 without a config)."""
+        return self.config.weight if self.config else 1.0
+
+    @property
+    def max_inflight(self) -> int:
+        """The tenant's in-flight cap (0: none)."""
+        return self.config.max_inflight if self.config else 0
+
+
+class TenantLanes:
+    """Every tenant's lane of one worker's model, kept up to date by `refresh`."""
+
+    def __init__(
+        self,
+        redis: Any,
+        cache_redis: Any,
+        settings: WorkerSettings,
+        info: ModelInfo,
+        backend: AsyncLM,
+        masses: MassComputer | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.redis = redis
+        self.cache_redis = cache_redis
+        self.settings = settings
+        self.info = info
+        self.backend = backend
+        self.masses = masses
+        self.metrics = metrics
+        self.keys = settings.redis.keyspace()
+        #: One gate for all lanes: a batch isolating a failure has the backend to itself.
+        self.gate = ForwardGate()
+        self._lanes: dict[str, Lane] = {}
+        self._by_stream: dict[str, Lane] = {}
+        self.default = self.lane(self.keys.tenant)
+
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(list(self._lanes.values()))
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def lane(self, tenant: str, config: TenantConfig | None = None) -> Lane:
+        """The tenant's lane, made on first use; a new `config` replaces the old one."""
+        lane = self._lanes.get(tenant)
+        namespace = config.cache_namespace if config and config.shares_cache else ""
+        if lane is None or lane.keys.cache_namespace != namespace:
+            lane = self._make(tenant, namespace)
+            self._lanes[tenant] = lane
+            self._by_stream[lane.stream.stream] = lane
+        if config is not None:
+            lane.config = config
+        return lane
+
+    def _make(self, tenant: str, namespace: str) -> Lane:
+        settings, info = self.settings, self.info
+        keys = self.keys.for_tenant(tenant, namespace)
+        stream = RequestStream(self.redis, keys.requests(info.name), settings.name)
+        cache = None
+        if settings.cache_writes:
+            cache = SharedCache(
+                self.cache_redis, keys, info.name, info.revision,
+                settings.redis.stall_timeout_s, info.vector_size,
+            )  # fmt: skip
+        processor = BatchProcessor(
+            self.backend, cache, info.max_prompt_tokens, settings.max_request_bytes, self.masses,
+            self.metrics,
+        )  # fmt: skip
+        processor.gate = self.gate
+        writer = ReplyWriter(self.redis, stream, keys, settings, cache, self.metrics)
+        return Lane(tenant, keys, stream, processor, writer, Janitor(stream, keys, settings))
+
+    def by_stream(self, stream: str) -> Lane | None:
+        """The lane whose request stream is `stream`."""
+        return self._by_stream.get(stream)
+
+    # -- the operator's tenants ------------------------------------------------------------------
+    async def refresh(self) -> list[str]:
+        """Read the tenants, mirror their quotas, create missing groups; returns new tenants."""
+        records = await self.redis.hgetall(self.keys.tenants())
+        new = []
+        for raw_name, raw in records.items():
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            try:
+                config = TenantConfig.from_json(name, raw)
+            except ValueError as exc:
+                logger.warning("ignoring tenant %r: %s", name, exc)
+                continue
+            if name not in self._lanes:
+                new.append(name)
+            lane = self.lane(name, config)
+            if new and new[-1] == name:
+                await lane.stream.ensure_group()
+            await self.redis.hset(lane.keys.quota(self.info.name), mapping=quota_fields(config))
+        for name in new:
+            logger.info("serving tenant %s", name)
+        await self.redis.script_load(ADMISSION_LUA)
+        return new
+
+    async def ensure_groups(self) -> None:
+        """Create every lane's stream and group if missing (first start, after a restart)."""
+        for lane in self:
+            await lane.stream.ensure_group()
+
+    # -- reading -----------------------------------------------------------------------------------
+    async def read(
+        self, lanes: Sequence[Lane], count: int, block_ms: int | None
+    ) -> list[tuple[Lane, Entry]]:
+        """Up to `count` new entries from each of `lanes`, in one XREADGROUP."""
+        if not lanes:
+            return []
+        streams = {lane.stream.stream: ">" for lane in lanes}
+        try:
+            reply = await self.redis.xreadgroup(
+                WORKER_GROUP, self.settings.name, streams, count=count, block=block_ms
+            )
+        except ResponseError as exc:
+            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+                raise
+            logger.warning("a request stream or its group vanished; recreating them")
+            await self.ensure_groups()
+            return []
+        read = []
+        for raw_stream, rows in reply or []:
+            name = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
+            lane = self._by_stream.get(name)
+            if lane is None:  # cannot happen: only lanes' streams are read
+                continue
+            for entry_id, fields in rows:
+                if fields is not None:
+                    key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    read.append((lane, Entry(key, fields)))
+        return read
+
+    async def over_cap(self, lane: Lane, entries: list[Entry]) -> tuple[list[Entry], Outcome]:
+        """Split `entries` of `lane` into those to run and an outcome refusing the rest.
+
+        While the tenant's stream holds more than its cap, the newest entries read, as many
+        as the excess, are answered with `QuotaExceeded` (and acknowledged).
+        """
+        cap = lane.max_inflight
+        refused = Outcome()
+        if not cap or not entries:
+            return entries, refused
+        excess = await lane.stream.backlog() - cap
+        if excess <= 0:
+            return entries, refused
+        keep = entries[: max(len(entries) - excess, 0)]
+        for entry in entries[len(keep) :]:
+            refused.acks.append(entry.entry_id)
+            error = QuotaExceeded(
+                f"tenant {lane.tenant} is over its in-flight quota of {cap} requests",
+                quota="max_inflight", limit=float(cap), admitted=0,
+            )  # fmt: skip
+            try:
+                request = decode_request(entry.fields)
+                validate_client_id(request.client_id)
+            except (MalformedMessage, InvalidName) as exc:
+                refused.dead_letter(entry, MalformedMessage(str(exc)))
+                continue
+            refused.error(request.client_id, request.request_id, error)
+        logger.info("tenant %s over its cap: %d entries refused", lane.tenant, len(refused.acks))
+        return keep, refused

@@ -9,20 +9,13 @@ example the operator's, or one granted ``~arq:* ~<prefix>:*``).
 from __future__ import annotations
 
 from shared.keys import KeySpace
+from shared.tenants import EXPERIMENT_COMMANDS as _GRANTED
 
 __all__ = ["experiment_acl_rules", "EXPERIMENT_COMMANDS"]
 
-#: Commands `producer.Experiments` sends (granted by name: see FACTS.md on command categories).
-EXPERIMENT_COMMANDS = (
-    "hsetnx",
-    "hset",
-    "hgetall",
-    "zadd",
-    "zrange",
-    "xadd",
-    "lrange",
-    "ping",
-)
+#: Commands `producer.Experiments` sends (granted by name: see FACTS.md on command categories);
+#: the tenant ACL generator (`shared.tenants.tenant_acl_rules`) grants the same ones.
+EXPERIMENT_COMMANDS = (*(command.removeprefix("+") for command in _GRANTED), "ping")
 
 
 def experiment_acl_rules(tenant: str, prefix: str = "lmq") -> list[str]:

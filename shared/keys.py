@@ -255,6 +255,10 @@ class KeyPatterns:
         """Reply streams of every client."""
         return f"{self.prefix}:{self.tenant}:client:*:replies"
 
+    def experiments(self) -> str:
+        """Experiment keys: inbox, index, records and results (`producer.Experiments`)."""
+        return f"{self.prefix}:{self.tenant}:exp:*"
+
     def cache(self, namespace: str | None = None) -> str:
         """Cached vectors of one cache namespace (default: the tenant's own; ``*``: all)."""
         return f"{self.prefix}:{namespace or self.tenant}:cache:*"

@@ -52,7 +52,11 @@ _POOL = re.compile(r"^pool\.[a-z0-9][a-z0-9_-]{0,62}$")
 #: Connection housekeeping every user needs: health checks, RESP3 handshakes and the
 #: server's run id (clients watch it to notice a restarted Redis). redis-py's CLIENT SETINFO
 #: (Redis 7.2+) is refused and redis-py carries on without it.
-_CONNECTION = ["+ping", "+hello", "+info|server"]
+#: Every user: liveness, protocol, the server's run id (restart detection) and whether it is a
+#: cluster node (`shared.connections` asks once at connect).
+_CONNECTION = ["+ping", "+hello", "+info|server", "+info|cluster"]
+#: What `producer.Experiments` sends on the tenant's own experiment keys.
+EXPERIMENT_COMMANDS = ["+hsetnx", "+hset", "+hgetall", "+zadd", "+zrange", "+xadd", "+lrange"]
 
 
 def validate_tenant(name: str) -> str:
@@ -187,7 +191,8 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
     A client may: read the model registry; run the admission script (EVALSHA only: scripts
     are loaded by workers and the operator, so a tenant cannot run Lua of its own) which
     reads the tenant's ``:quota``, updates its ``:rate`` and XADDs to its request streams;
-    read, trim and delete its reply streams; GET/MGET its cache namespace.
+    read, trim and delete its reply streams; GET/MGET its cache namespace; submit, watch,
+    cancel and read its own experiments (the scheduler's and arq's keys stay out of reach).
     """
     own = KeyPatterns(prefix, config.name)
     cache = own.cache(config.cache_namespace)
@@ -200,6 +205,7 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
         _selector(["+hset", "+pexpire"], [f"~{own.rate()}"]),
         _selector(["+xread", "+xtrim", "+del"], [f"~{own.replies()}"]),
         _selector(["+get", "+mget"], [f"%R~{cache}"]),
+        _selector(EXPERIMENT_COMMANDS, [f"~{own.experiments()}"]),
     ]  # fmt: skip
 
 
@@ -207,9 +213,10 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     """The rules after ``ACL SETUSER lmq-worker``: serve every tenant of every model.
 
     Workers read and acknowledge all request streams through the consumer group, write
-    replies, dead letters, cached vectors and the registry, mirror quotas, read the tenants
-    hash, and load the scripts tenants run (SCRIPT LOAD). They cannot read reply streams or
-    rate buckets, nor touch ACLs, configuration or keys outside the layout.
+    replies, dead letters, cached vectors, the registry and their stats hashes, mirror
+    quotas, read the tenants hash, and load the scripts tenants run (SCRIPT LOAD). They
+    cannot read reply streams or rate buckets, nor touch ACLs, configuration or keys outside
+    the layout.
     """
     every = KeyPatterns(prefix, "*")
     stream_commands = [
@@ -218,9 +225,10 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
         "+xgroup|create", "+xgroup|createconsumer", "+xgroup|delconsumer",
         "+evalsha", "+eval",
     ]  # fmt: skip
-    registry_commands = [
-        "+get", "+set", "+exists", "+sadd", "+smembers",
+    registry_commands = [  # publishing is one script; the stats hash is for `lmq status`
+        "+get", "+set", "+exists", "+sadd", "+smembers", "+evalsha", "+eval",
         "+zadd", "+zrem", "+zrange", "+zrangebyscore", "+zremrangebyscore",
+        "+hset", "+expire", "+del",
     ]  # fmt: skip
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION,

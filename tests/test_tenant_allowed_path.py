@@ -70,3 +70,31 @@ async def test_a_tenant_calls_and_gets_trie_masses_with_its_credentials_only(
     again = await alice_lm.next_token_logprobs([1, 2, 3])
     torch.testing.assert_close(again, rows[0])
     assert alice_lm.channel.submitter.cache_hits >= 1  # a shared-cache hit, read as alice
+
+
+async def test_generated_tenant_users_submit_and_read_only_their_own_experiments(
+    redis_url: str,
+) -> None:
+    """The same ACL rules `lmq tenant add` makes cover experiments; Redis refuses the rest."""
+    from producer import Experiments
+    from shared.errors import Forbidden
+
+    admin = redis.Redis.from_url(redis_url)
+    tenant_admin = TenantAdmin(admin, redis_url)
+    alice_url = tenant_admin.add(TenantConfig("alice"))
+    bob_url = tenant_admin.add(TenantConfig("bob"))
+    alice, bob = Experiments.connect(alice_url), Experiments.connect(bob_url)
+    try:
+        experiment_id = await alice.submit("score", {"rows": []}, experiment_id="e1")
+        assert (await alice.status(experiment_id)).status == "queued"
+        assert [s.id for s in await alice.list()] == [experiment_id]
+        with pytest.raises(Forbidden):  # alice's record, read with bob's credentials
+            await Experiments(bob.redis, alice.keys).status(experiment_id)
+        with pytest.raises(Forbidden):
+            await Experiments(bob.redis, alice.keys).cancel(experiment_id)
+        assert await bob.list() == []
+    finally:
+        await alice.close()
+        await bob.close()
+        admin.execute_command("ACL", "DELUSER", "alice", "bob")
+        admin.close()

@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="queue Redis (default LMQ_REDIS_URL or REDIS_URL)")
     parser.add_argument("--cache-url", help="cache Redis (default LMQ_CACHE_URL, else the queue)")
     parser.add_argument(
-        "--tenant", action="append", help="tenant to show (repeatable; default LMQ_TENANT)"
+        "--tenant",
+        action="append",
+        help="tenant to show (repeatable; default: LMQ_TENANT and every tenant added)",
     )
     parser.add_argument("--model", action="append", help="model to show (default: all published)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -60,7 +62,9 @@ async def collect_status(
     now_ms = int(now_s) * 1000 + int(now_us) // 1000
     if not models:
         models = [_text(name) for name in await redis.smembers(keys.models())]
-    tenant_keys = {t: dataclasses.replace(keys, tenant=t) for t in tenants or [keys.tenant]}
+    if not tenants:  # the settings' tenant and every tenant the operator added
+        tenants = sorted({keys.tenant, *(_text(t) for t in await redis.hkeys(keys.tenants()))})
+    tenant_keys = {t: dataclasses.replace(keys, tenant=t) for t in tenants}
     status: dict[str, Any] = {"time_ms": now_ms, "models": {}}
     for model in sorted(models):
         streams = {

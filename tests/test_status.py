@@ -109,9 +109,11 @@ async def test_status_reports_backlog_pending_age_dead_letters_workers_and_cache
 
 async def test_a_model_nobody_asked_for_shows_zeros_and_no_age(aredis, redis_url) -> None:
     await aredis.sadd(KEYS.models(), "idle")
+    await aredis.hset(KEYS.tenants(), "alice", "{}")  # a tenant the operator added
     status = await status_command.collect_status(aredis, KEYS)
     idle = status["models"]["idle"]
-    assert idle["tenants"]["default"] == {
+    assert sorted(idle["tenants"]) == ["alice", "default"]
+    assert idle["tenants"]["default"] == idle["tenants"]["alice"] == {
         "backlog": 0, "pending": 0, "undelivered": 0, "oldest_age_s": None, "dead_letters": 0,
     }  # fmt: skip
     assert idle["workers"] == {}

@@ -58,3 +58,37 @@ def test_redis_refuses_to_start_without_the_acl_file(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="exited with 1"):
         server.start(timeout_s=5)
     server.close()
+
+
+@pytest.mark.parametrize("role", ["queue", "cache"])
+def test_the_compose_stacks_acl_init_writes_a_file_each_config_starts_with(
+    tmp_path: Path, role: str
+) -> None:
+    """docker-compose.yml's `acl-init` script, run here as compose would run it."""
+    import subprocess
+
+    import yaml
+
+    compose = yaml.safe_load((OPS.parent.parent / "docker-compose.yml").read_text())
+    script = compose["services"]["acl-init"]["command"][0].replace("$$", "$")  # compose escape
+    script = script.replace("/queue", str(tmp_path / "queue")).replace(
+        "/cache", str(tmp_path / "cache")
+    )
+    for name in ("queue", "cache"):
+        (tmp_path / name).mkdir()
+    env = {"LMQ_ADMIN_PASSWORD": "s3cret", "PATH": "/usr/bin:/bin"}
+    subprocess.run(["sh", "-c", script], check=True, env=env)
+    subprocess.run(["sh", "-c", script], check=True, env={**env, "LMQ_ADMIN_PASSWORD": "other"})
+    acl = tmp_path / role / "users.acl"
+    conf = (OPS / f"{role}.conf").read_text().replace("/data/users.acl", str(acl))
+    conf = conf.replace("maxmemory 4gb", "maxmemory 64mb").replace(
+        "maxmemory 8gb", "maxmemory 64mb"
+    )
+    (tmp_path / f"{role}.conf").write_text(conf)
+    with LocalRedis(args=["--include", str(tmp_path / f"{role}.conf")]) as server:
+        assert redis.Redis(port=server.port).ping()  # the healthcheck's anonymous PING
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis(port=server.port).get("x")
+        # the first start's password stays: a second run of acl-init changes nothing
+        admin = redis.Redis(port=server.port, username="lmq-admin", password="s3cret")
+        assert admin.set("x", 1)

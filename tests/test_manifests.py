@@ -372,3 +372,22 @@ def test_a_broken_compose_file_fails_the_specification() -> None:
     compose = yaml.safe_load((OPS.parent / "docker-compose.yml").read_text())
     compose["services"]["redis-queue"]["depends_on"] = 7
     assert list(compose_validator().iter_errors(compose))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_scheduler_runs_the_configuration_its_secret_holds(
+    overlay: str, tmp_path: Path
+) -> None:
+    from scheduler.settings import SchedulerSettings
+
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in rendered(overlay)}
+    deployment = next(o for (k, n), o in objects.items() if k == "Deployment" and "scheduler" in n)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:1] == ["scheduler"]
+    config_path = container["args"][container["args"].index("--config") + 1]
+    volume = deployment["spec"]["template"]["spec"]["volumes"][0]["secret"]
+    secret = next(o for (k, n), o in objects.items() if k == "Secret" and volume["secretName"] in n)
+    config = tmp_path / "scheduler.json"
+    config.write_text(secret["stringData"][Path(config_path).name])
+    settings = SchedulerSettings.load(config, redis_url=secret["stringData"]["url"])
+    assert settings.max_running_per_tenant == 2

@@ -104,14 +104,14 @@ async def connect_async_redis(
     """An asyncio client of the Redis at `url`: a cluster client if the node is in a cluster.
 
     Asks ``INFO cluster`` once. If the node cannot be reached, the plain client is returned
-    as it is (it connects lazily, and callers retry as they did before), with a warning that
-    cluster mode could not be detected.
+    as it is (it connects lazily, and callers retry as they did before), and that is logged at
+    info level: the caller's own failure to connect is what a user needs to see, once.
     """
     plain = async_redis(url, connect_timeout_s)
     try:
         info = await bounded(plain.info("cluster"), connect_timeout_s + 1, "INFO cluster")
     except Exception as exc:  # unreachable now: keep today's lazy single-instance behaviour
-        logger.warning("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
+        logger.info("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
         return plain
     if not cluster_enabled(info):
         return plain
@@ -134,7 +134,7 @@ def sync_redis(url: str, connect_timeout_s: float = 5.0) -> redis.Redis | synccl
     try:
         info = plain.info("cluster")
     except redis.RedisError as exc:
-        logger.warning("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
+        logger.info("could not ask %s whether it is a cluster node (%s)", _where(url), exc)
         return plain
     if not cluster_enabled(info):
         return plain

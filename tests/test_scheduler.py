@@ -21,14 +21,15 @@ import torch
 
 from lmqueue.local_redis import LocalRedis
 from lmqueue.smc import lipogram_mask, run_smc
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.worker_processes import WorkerProcess
 from producer import Experiments
-from scheduler.acl import experiment_acl_rules
 from scheduler.kinds.regex_constraint import RegexConstraint
 from scheduler.kinds.sample import draw_samples
 from shared.errors import Forbidden, UnknownExperiment
 from shared.keys import KeySpace
 from shared.lm.trie import TokenCharacterTrie
+from shared.tenants import TenantConfig
 from workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"
@@ -82,11 +83,10 @@ def _tenant_url(url: str, tenant: str) -> str:
 def server():
     with LocalRedis() as local:
         admin = redis.Redis.from_url(local.url)
-        for tenant in TENANTS:  # the tenant ACL users: their experiment keys, nothing else
-            admin.execute_command(
-                "ACL", "SETUSER", tenant, "reset", "on", f">pw-{tenant}",
-                *experiment_acl_rules(tenant),
-            )  # fmt: skip
+        tenants = TenantAdmin(admin, local.url)
+        for tenant in TENANTS:  # real tenants, as `lmq tenant add` makes them (known passwords)
+            tenants.add(TenantConfig(tenant))
+            admin.execute_command("ACL", "SETUSER", tenant, "resetpass", f">pw-{tenant}")
         admin.close()
         yield local
 
@@ -174,6 +174,30 @@ async def test_score_matches_in_process_log_probabilities(experiments, reference
         assert result["tokens"] == cont
         assert result["token_logprobs"] == pytest.approx(expected, abs=1e-6)
         assert result["logprob"] == pytest.approx(sum(expected), abs=1e-5)
+
+
+async def test_a_tenants_experiment_calls_the_model_as_that_tenant(
+    url, schedulers, reference, smol_tokenizer
+):
+    """alice's experiment runs through alice's request stream (fair share and quotas apply)."""
+    rows = [{"context": "The capital of France is", "continuation": " Paris"}] * 2
+    admin = redis.asyncio.Redis.from_url(url)
+    try:
+        async with Experiments.connect(_tenant_url(url, "alice")) as alice:
+            exp_id = await alice.submit("score", {"rows": rows}, model=MODEL)
+            status = await alice.wait(exp_id, 90)
+            assert status.status == "complete", status
+            results = await alice.results(exp_id)
+        ctx = smol_tokenizer.encode(rows[0]["context"], add_special_tokens=False)
+        cont = smol_tokenizer.encode(rows[0]["continuation"], add_special_tokens=False)
+        expected = [float(reference.logprobs_of(ctx + cont[:i])[t]) for i, t in enumerate(cont)]
+        for result in results:
+            assert result["token_logprobs"] == pytest.approx(expected, abs=1e-6)
+        # the calls went through alice's keys: her request stream's group delivered them
+        groups = await admin.xinfo_groups(KeySpace(tenant="alice").requests(MODEL))
+        assert groups and groups[0]["entries-read"] >= len(cont)
+    finally:
+        await admin.aclose()
 
 
 async def test_sample_matches_in_process_sampling(experiments, reference, smol_tokenizer):

@@ -27,10 +27,9 @@ from shared.settings import ClientSettings, RedisSettings
 from .load import Window, closed_loop, distinct_prompt
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, server_pid, wait_for_workers, worker_pool
+from .transport import WIRE_BYTES, record_window
 
 __all__ = ["add_arguments", "run", "main"]
-
-_BYTES = {"float32": 4, "float16": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +107,9 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                     window = await _measure(lm, 1000 * salt + offset, args, meter)
                     size = lm.info.vector_size
                     report.figure(f"{dtype}.{name}.client_stats", lm.stats)
-                figures[name] = _record(report, f"{dtype}.{name}", window, size * _BYTES[dtype])
+                figures[name] = record_window(
+                    report, f"{dtype}.{name}", window, size * WIRE_BYTES[dtype]
+                )
             (one_rate, one_cpu), (many_rate, many_cpu) = figures["single"], figures["cluster"]
             ratios[f"{dtype}.replies"] = round(many_rate / one_rate, 3) if one_rate else 0.0
             ratios[f"{dtype}.cpu"] = round(many_cpu / one_cpu, 3) if one_cpu else 0.0
@@ -125,16 +126,6 @@ async def _measure(lm: QueueLM, salt: int, args: argparse.Namespace, meter: CpuM
         await lm.next_token_logprobs(distinct_prompt(index, salt))
 
     return await closed_loop(call, args.concurrency, args.warmup_s, args.measure_s, meter)
-
-
-def _record(report: Report, key: str, window: Window, payload_bytes: int) -> tuple[float, float]:
-    """Print and keep a window's figures; its replies/s and total CPU us per reply."""
-    cpu = window.cpu_us_per_reply()
-    gbps = window.per_s * payload_bytes / 1e9
-    line = (f"{key:<16} {window.per_s:8.1f} replies/s  {gbps:5.2f} GB/s  CPU us/reply: "
-            + ", ".join(f"{name} {us:.0f}" for name, us in cpu.items()))  # fmt: skip
-    report.figure(key, {**window.as_dict(), "payload_gb_per_s": round(gbps, 3)}, line=line)
-    return window.per_s, sum(cpu.values())
 
 
 def main(argv: list[str] | None = None) -> int:

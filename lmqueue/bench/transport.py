@@ -41,7 +41,8 @@ from .stack import (
 
 __all__ = ["add_arguments", "run", "main"]
 
-_BYTES = {"float32": 4, "float16": 2}
+#: Bytes per value of each wire dtype.
+WIRE_BYTES = {"float32": 4, "float16": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +109,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 probe_redis.url, server_pid(probe_redis), dtype, size,
                 args.concurrency, args.warmup_s, args.measure_s,
             )  # fmt: skip
-            probe = _record(report, f"{dtype}.probe", window, size * _BYTES[dtype])
+            probe = record_window(report, f"{dtype}.probe", window, size * WIRE_BYTES[dtype])
             for offset, (name, (workers, redis_pids, settings)) in enumerate(configs.items()):
                 pids = {"client": [os.getpid()], "worker": [w.pid for w in workers]}
                 meter = CpuMeter({**pids, "redis": redis_pids})
@@ -118,7 +119,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                     report.figure(
                         f"{dtype}.{name}.client_stats", lm.stats, line=f"client stats {lm.stats}"
                     )
-                ours = _record(report, f"{dtype}.{name}", window, size * _BYTES[dtype])
+                ours = record_window(report, f"{dtype}.{name}", window, size * WIRE_BYTES[dtype])
                 key = f"{dtype}.{name}"
                 ratios[key] = round(ours[0] / probe[0], 3) if probe[0] else 0.0
                 ratios[f"{key}.cpu"] = round(probe[1] / ours[1], 3) if ours[1] else 0.0
@@ -149,7 +150,9 @@ def _versus(
     )
 
 
-def _record(report: Report, key: str, window: Window, payload_bytes: int) -> tuple[float, float]:
+def record_window(
+    report: Report, key: str, window: Window, payload_bytes: int
+) -> tuple[float, float]:
     """Print and keep a window's figures; its replies/s and total CPU us per reply."""
     cpu = window.cpu_us_per_reply()
     gbps = window.per_s * payload_bytes / 1e9

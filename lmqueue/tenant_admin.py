@@ -17,6 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from redis.cluster import RedisCluster
+from redis.exceptions import ResponseError
+
 from shared.admission_script import ADMISSION_LUA
 from shared.errors import SettingsError
 from shared.keys import KeySpace
@@ -76,10 +79,11 @@ class TenantAdmin:
         self.last_cache_url: str | None = None
 
     def _acl(self, *args: Any) -> None:
-        """Run one ACL command on the queue instance and on a separate cache instance."""
+        """Run one ACL command on the queue instance and a separate cache instance: on a
+        Redis Cluster on every node (each node keeps its own users)."""
         for client in (self.redis, self.cache_redis):
             if client is not None:
-                client.execute_command("ACL", *args)
+                client.execute_command("ACL", *args, **_every_node(client))
 
     def _issue(self, user: str, password: str) -> str:
         if self.cache_url is not None:
@@ -192,10 +196,15 @@ class TenantAdmin:
         for client in (self.redis, self.cache_redis):
             if client is None:
                 continue
-            if _text(client.config_get("aclfile").get("aclfile") or ""):
-                client.execute_command("ACL", "SAVE")
-            else:
-                logger.warning("Redis has no aclfile: users last only until Redis restarts")
+            try:  # one round on every node: ACL SAVE refuses where no aclfile is configured
+                client.execute_command("ACL", "SAVE", **_every_node(client))
+            except ResponseError as exc:
+                logger.warning("Redis has no aclfile (%s): users last only until it restarts", exc)
+
+
+def _every_node(client: Any) -> dict[str, Any]:
+    """redis-py's routing argument sending a command to every node of a cluster client."""
+    return {"target_nodes": client.ALL_NODES} if isinstance(client, RedisCluster) else {}
 
 
 def _text(value: Any) -> str:

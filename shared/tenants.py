@@ -52,9 +52,13 @@ _POOL = re.compile(r"^pool\.[a-z0-9][a-z0-9_-]{0,62}$")
 #: Connection housekeeping every user needs: health checks, RESP3 handshakes and the
 #: server's run id (clients watch it to notice a restarted Redis). redis-py's CLIENT SETINFO
 #: (Redis 7.2+) is refused and redis-py carries on without it.
-#: Every user: liveness, protocol, the server's run id (restart detection) and whether it is a
-#: cluster node (`shared.connections` asks once at connect).
-_CONNECTION = ["+ping", "+hello", "+info|server", "+info|cluster"]
+#: Every user: liveness, protocol, the server's run id (restart detection), whether it is a
+#: cluster node (`shared.connections` asks once at connect) and, on a cluster, what redis-py's
+#: cluster client reads to route commands (the slot map, the command table).
+_CONNECTION = [
+    "+ping", "+hello", "+info|server", "+info|cluster", "+cluster|slots", "+cluster|shards",
+    "+command",
+]  # fmt: skip
 #: What `producer.Experiments` sends on the tenant's own experiment keys.
 EXPERIMENT_COMMANDS = ["+hsetnx", "+hset", "+hgetall", "+zadd", "+zrange", "+xadd", "+lrange"]
 

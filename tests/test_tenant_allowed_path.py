@@ -16,6 +16,7 @@ import torch
 
 from lmqueue.tenant_admin import TenantAdmin
 from producer import QueueLM, QueueTrie
+from shared.connections import sync_redis
 from shared.settings import ClientSettings
 from shared.tenants import TenantConfig
 from workers.backends.mock import MockAsyncLM
@@ -30,11 +31,13 @@ class Urls:
 
 
 @pytest.fixture
-def urls(redis_url: str) -> Iterator[Urls]:
-    admin = redis.Redis.from_url(redis_url)
-    tenant_admin = TenantAdmin(admin, redis_url)
+def urls(any_redis_url: str) -> Iterator[Urls]:
+    """alice and the workers' user, on a single instance and on every node of a cluster."""
+    admin = sync_redis(any_redis_url)
+    tenant_admin = TenantAdmin(admin, any_redis_url)
     yield Urls(tenant_admin.add(TenantConfig("alice")), tenant_admin.worker_user())
-    admin.execute_command("ACL", "DELUSER", "alice", "lmq-worker")
+    tenant_admin.remove("alice")
+    tenant_admin._acl("DELUSER", "lmq-worker")
     admin.close()
 
 

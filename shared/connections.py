@@ -55,6 +55,7 @@ __all__ = [
     "is_cluster",
     "cluster_enabled",
     "multi_get",
+    "execute_pipeline",
 ]
 
 T = TypeVar("T")
@@ -283,3 +284,21 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark an abandoned task's outcome as seen (its caller already moved on)."""
     if not task.cancelled():
         task.exception()
+
+
+async def execute_pipeline(pipe: Any, raise_on_error: bool = True) -> list[Any]:
+    """``pipe.execute(raise_on_error)``, with one redis-py 5.3 cluster race made retryable.
+
+    When a command of another task fails to connect, redis-py's asyncio cluster client closes
+    its node manager to re-initialize, which clears the default node; a pipeline that starts
+    meanwhile fails with AttributeError (``ClusterPipeline._execute`` reads the default node's
+    name) instead of a connection error. Seen here when a master was killed mid-run: the
+    worker's batch was abandoned instead of retried. It is raised as the connection error it
+    stands for, which the caller's retry loop handles.
+    """
+    try:
+        return list(await pipe.execute(raise_on_error=raise_on_error))
+    except AttributeError as exc:
+        if not isinstance(pipe, aiocluster.ClusterPipeline):
+            raise
+        raise RedisConnectionError(f"the cluster client was re-initializing: {exc}") from exc

@@ -101,3 +101,29 @@ async def test_connecting_as_a_user_redis_refuses_raises_forbidden(redis_url):
 async def test_connecting_to_a_model_nobody_serves_raises_unknown_model(redis_url):
     with pytest.raises(UnknownModel, match="no-such-model"):
         await QueueLM.connect("no-such-model", redis_url=redis_url, connect_timeout_s=0.2)
+
+
+async def test_a_cluster_pipeline_caught_mid_reinitialization_fails_as_a_connection_error():
+    """redis-py 5.3's cluster race (see `execute_pipeline`) becomes what the writer retries."""
+    import redis.asyncio.cluster as aiocluster
+
+    from shared.connections import execute_pipeline
+    from shared.redis_errors import REDIS_DOWN
+
+    class Racing(aiocluster.ClusterPipeline):
+        def __init__(self) -> None:  # no client: only `execute` matters here
+            pass
+
+        async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True):
+            raise AttributeError("'NoneType' object has no attribute 'name'")
+
+    with pytest.raises(REDIS_DOWN) as caught:
+        await execute_pipeline(Racing(), raise_on_error=False)
+    assert isinstance(caught.value.__cause__, AttributeError)
+    with pytest.raises(AttributeError):  # anything else that raises it is a bug, not Redis
+        await execute_pipeline(_NotAPipelineOfACluster())
+
+
+class _NotAPipelineOfACluster:
+    async def execute(self, raise_on_error: bool = True) -> list[object]:
+        raise AttributeError("a bug")

@@ -26,7 +26,7 @@ import time
 from collections.abc import Container
 from typing import Any
 
-from shared.connections import bounded, is_cluster
+from shared.connections import bounded, execute_pipeline, is_cluster
 from shared.keys import KeySpace
 from shared.redis_errors import REDIS_DOWN
 from shared.settings import WorkerSettings
@@ -131,12 +131,12 @@ class ReplyWriter:
                           approximate=True)  # fmt: skip
             if not self._cluster:
                 self.stream.ack(pipe, outcome.acks)
-            results = await pipe.execute(raise_on_error=False)
+            results = await execute_pipeline(pipe, raise_on_error=False)
         self._check_written(results, len(puts))
         if self._cluster and outcome.acks:  # only once every reply is written, on any node
             async with self.redis.pipeline(transaction=False) as pipe:
                 self.stream.ack(pipe, outcome.acks)
-                for result in await pipe.execute(raise_on_error=False):
+                for result in await execute_pipeline(pipe, raise_on_error=False):
                     if isinstance(result, Exception):
                         raise result
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from shared.connections import execute_pipeline
 from shared.keys import WORKER_GROUP
 
 __all__ = ["Entry", "PendingInfo", "RequestStream"]
@@ -170,7 +171,7 @@ class RequestStream:
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id in entry_ids:
                 pipe.xpending_range(self.stream, self.group, entry_id, entry_id, 1)
-            replies = await pipe.execute()
+            replies = await execute_pipeline(pipe)
         info = {}
         for rows in replies:
             for row in rows:

@@ -27,19 +27,14 @@ from shared.settings import ClientSettings, RedisSettings
 from .load import Window, closed_loop, distinct_prompt
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, server_pid, wait_for_workers, worker_pool
-from .transport import WIRE_BYTES, record_window
+from .transport import WIRE_BYTES, add_load_arguments, record_window
 
 __all__ = ["add_arguments", "run", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags."""
-    parser.add_argument("--model", default="smollm2-135m", help="whose vocabulary sizes vectors")
-    parser.add_argument("--dtypes", default="float32,float16", help="wire dtypes, comma-separated")
-    parser.add_argument("--concurrency", type=int, default=512, help="calls kept outstanding")
-    parser.add_argument("--warmup-s", type=float, default=2.0)
-    parser.add_argument("--measure-s", type=float, default=6.0)
-    parser.add_argument("--distinct-vectors", type=int, default=64)
+    """The benchmark's flags: the transport benchmark's load, and the cluster's shape."""
+    add_load_arguments(parser)
     parser.add_argument("--replicas", type=int, default=0, help="replicas per cluster master")
     parser.add_argument(
         "--vector-size", type=int, default=0,

@@ -45,14 +45,19 @@ __all__ = ["add_arguments", "run", "main"]
 WIRE_BYTES = {"float32": 4, "float16": 2}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's flags."""
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a closed-loop load of mock vectors (this benchmark's and `cluster`'s)."""
     parser.add_argument("--model", default="smollm2-135m", help="whose vocabulary sizes vectors")
     parser.add_argument("--dtypes", default="float32,float16", help="wire dtypes, comma-separated")
     parser.add_argument("--concurrency", type=int, default=512, help="calls kept outstanding")
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--measure-s", type=float, default=6.0)
     parser.add_argument("--distinct-vectors", type=int, default=64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    add_load_arguments(parser)
     parser.add_argument("--cache-maxmemory", default="256mb", help="of the defaults' cache Redis")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 

@@ -30,6 +30,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from shared.connections import bounded
+from shared.errors import SettingsError
 from shared.lm.interface import AsyncLM
 from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
@@ -124,6 +125,8 @@ class Worker:
             max_prompt_tokens=min(limits) if limits else 0,
             eos_token_ids=[eos] if isinstance(eos, int) else [],
             max_backlog=settings.max_backlog,
+            partitions=settings.partitions,
+            partition_block_tokens=settings.partition_block_tokens,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class Worker:
             self._tokenizer_files = await asyncio.to_thread(
                 tokenizer_to_files, self.backend.tokenizer
             )
+        await self._check_partitions()
         await self._refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]
@@ -141,6 +145,24 @@ class Worker:
         self.health.mark_published()
         logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
                     self.settings.name)  # fmt: skip
+
+    async def _check_partitions(self) -> None:
+        """Refuse to serve with another partition count than the model's live workers: clients
+        would send requests to streams that some workers never read."""
+        name, me = self.info.name, self.settings.name
+        if not await self.registry.is_published(name):
+            return
+        published = (await self.registry.info(name)).partitions
+        if published == self.info.partitions:
+            return
+        within_s = max(3 * self.settings.heartbeat_s, 1.0)
+        others = sorted(set(await self.registry.live_workers(name, within_s)) - {me})
+        if others:
+            raise SettingsError(
+                f"partitions={self.info.partitions}, but live workers of {name} "
+                f"({', '.join(others[:3])}) serve it with {published}: start every worker of a "
+                "model with the same LMQ_PARTITIONS"
+            )
 
     @contextlib.asynccontextmanager
     async def _computing(self) -> AsyncIterator[None]:
@@ -189,10 +211,15 @@ class Worker:
         """
         await self.publish()
         before = self.answered
-        async with self._computing():
-            await self._drain_own_pending()
-            while picks := await self._read_batch(block_ms=None):
-                await self._handle(picks)
+        reader = self.lanes.reader
+        steal_after_ms, reader.steal_after_ms = reader.steal_after_ms, 0  # drain every partition
+        try:
+            async with self._computing():
+                await self._drain_own_pending()
+                while picks := await self._read_batch(block_ms=None):
+                    await self._handle(picks)
+        finally:
+            reader.steal_after_ms = steal_after_ms
         return self.answered - before
 
     # -- reading ---------------------------------------------------------------------------------
@@ -261,33 +288,32 @@ class Worker:
         """Read new entries of every lane holding less than a batch in the scheduler."""
         size = self.settings.batch_size
         wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
-        by_lane: dict[str, list[Entry]] = {}
+        by_lane: dict[str, tuple[Lane, list[Entry]]] = {}
         for lane, entry in await self.lanes.read(wanting, size, block_ms):
-            by_lane.setdefault(lane.tenant, []).append(entry)
-        for tenant, entries in by_lane.items():
-            lane = self.lanes.lane(tenant)
+            by_lane.setdefault(lane.stream.stream, (lane, []))[1].append(entry)
+        for lane, entries in by_lane.values():
             entries, refused = await self.lanes.over_cap(lane, entries)
             if refused.acks:
                 await lane.writer.flush(refused)
                 self.answered += len(refused.acks)
-            self.scheduler.set_weight(tenant, lane.weight)
+            self.scheduler.set_weight(lane.tenant, lane.weight)
             for entry in entries:
-                self.scheduler.add(tenant, (lane, entry), _estimated_tokens(entry))
+                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry))
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(self, picks: Sequence[Pick[tuple[Lane, Entry]]]) -> None:
         """Answer one fair batch: each tenant's part with its own keys, all at once."""
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
-        for pick in picks:
-            lane, entry = pick.item
-            parts.setdefault(lane.tenant, (lane, []))[1].append(entry)
         charged: dict[str, float] = {}
         for pick in picks:
-            charged[pick.item[0].tenant] = charged.get(pick.item[0].tenant, 0.0) + pick.charged
+            lane, entry = pick.item
+            stream = lane.stream.stream
+            parts.setdefault(stream, (lane, []))[1].append(entry)
+            charged[stream] = charged.get(stream, 0.0) + pick.charged
         results = await asyncio.gather(
             *(
-                self._handle_lane(lane, entries, charged[lane.tenant])
-                for lane, entries in parts.values()
+                self._handle_lane(lane, entries, charged[stream])
+                for stream, (lane, entries) in parts.items()
             ),
             return_exceptions=True,
         )

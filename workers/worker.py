@@ -9,9 +9,8 @@ batches concurrent calls into one forward.
 
 The loop hands each batch to a task, keeping at most `prefetch` batches in flight: while the
 backend computes one batch (off the loop, on its own thread or device), the next is already
-read, decoded and looked up in the cache. Beside the read loop run a heartbeat (which also
-re-publishes the model after a Redis restart), a tenant refresh (new tenants are served within
-a few seconds) and a janitor that reclaims entries abandoned by dead workers, on every lane.
+read, decoded and looked up in the cache. Beside the read loop run the `Upkeep` loops: a
+heartbeat, a tenant refresh and a janitor that reclaims entries abandoned by dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -23,18 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
-
-from redis.exceptions import ResponseError
 
 from shared.connections import bounded
 from shared.lm.interface import AsyncLM
 from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
-from shared.worker_stats import WorkerStats, write_worker_stats
 
 from .fair_share import FairShare, Pick
 from .health import HealthState
@@ -44,6 +39,7 @@ from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
+from .upkeep import Upkeep, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -52,8 +48,6 @@ logger = logging.getLogger(__name__)
 _IDLE_BLOCK_MS = 500
 #: Fair-share cost of one request beyond its prompt tokens (a row's reply and bookkeeping).
 CALL_COST_TOKENS = 8
-#: How often the operator's tenant list is read again.
-TENANT_REFRESH_S = 2.0
 
 
 class Worker:
@@ -87,8 +81,7 @@ class Worker:
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self._started_ms = int(time.time() * 1000)
-        self._stats_refused = False
+        self.upkeep = Upkeep(self)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property
@@ -133,11 +126,11 @@ class Worker:
             self._tokenizer_files = await asyncio.to_thread(
                 tokenizer_to_files, self.backend.tokenizer
             )
-        await self._refresh_tenants()
+        await self.upkeep.refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]
         await self.registry.publish(self.info, self._tokenizer_files, vocab)
-        await self._beat()
+        await self.upkeep.beat()
         self.health.mark_published()
         logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
                     self.settings.name)  # fmt: skip
@@ -159,17 +152,13 @@ class Worker:
 
     async def _serve(self, stop: asyncio.Event) -> None:
         await self._retry_until_up(self.publish, stop)
-        background = [
-            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
-            asyncio.create_task(self._tenant_loop(stop), name="tenants"),
-            asyncio.create_task(self._not_ready_once(stop), name="readiness"),
-        ]
+        background = self.upkeep.start(stop)
         self.health.mark_serving()
         try:
             await self._retry_until_up(self._drain_own_pending, stop)
             # Only now: the janitor also claims this consumer's idle entries, and two claims of
             # one entry at once would charge it two deliveries for one attempt.
-            background.append(asyncio.create_task(self._janitor_loop(stop), name="janitor"))
+            background.append(self.upkeep.start_janitor(stop))
             await self._read_loop(stop)
         finally:
             self.health.mark_stopping()
@@ -199,9 +188,9 @@ class Worker:
     async def _drain_own_pending(self) -> None:
         """Answer entries this consumer took before a crash or restart, before new work."""
         for lane in self.lanes:
-            await self._recover(lane, lane.janitor.own_pending())
+            await self.recover(lane, lane.janitor.own_pending())
 
-    async def _recover(
+    async def recover(
         self, lane: Lane, entries: AsyncGenerator[Entry, None], stop: asyncio.Event | None = None
     ) -> None:
         """Answer entries delivered before, each alone (see `Janitor`); park exhausted ones."""
@@ -230,7 +219,7 @@ class Worker:
                 )
             except REDIS_TROUBLE as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
-                await _sleep_unless(stop, 0.5)
+                await sleep_unless(stop, 0.5)
                 continue
             if entries:
                 task = asyncio.create_task(self._handle(entries))
@@ -336,75 +325,6 @@ class Worker:
         if pending:
             logger.warning("cancelled %d batches at shutdown; they stay pending", len(pending))
 
-    # -- background ------------------------------------------------------------------------------
-    async def _heartbeat(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                if not await self.registry.is_published(self.info.name):
-                    logger.warning("model registry entry missing (Redis restarted?); re-publishing")
-                    await self.publish()
-                await self._beat()
-            except REDIS_DOWN as exc:
-                logger.warning("heartbeat failed: %s", exc)
-                self.health.heartbeat(reached_redis=False)
-            await _sleep_unless(stop, self.settings.heartbeat_s)
-
-    async def _beat(self) -> None:
-        """Write the heartbeat and the stats hash (`lmq status`)."""
-        await self.registry.heartbeat(self.info.name, self.settings.name)
-        self.health.heartbeat(reached_redis=True)
-        self.metrics.mark_heartbeat()
-        batches_per_s, requests_per_s = self.metrics.rates()
-        hits, misses = self.metrics.shared_cache_counts()
-        stats = WorkerStats(
-            self.info.name, self.settings.backend, self.info.revision,
-            tuple(lane.tenant for lane in self.lanes), self.settings.batch_size,
-            self._started_ms, int(time.time() * 1000), self.metrics.batches_total,
-            self.metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
-        )  # fmt: skip
-        ttl_s = max(10, int(5 * self.settings.heartbeat_s))
-        try:
-            await write_worker_stats(self.redis, self.keys, self.settings.name, stats, ttl_s)
-        except ResponseError as exc:  # e.g. an ACL without the stats key: lmq status shows less
-            if not self._stats_refused:
-                logger.warning("writing the stats hash failed: %s", exc)
-            self._stats_refused = True
-
-    async def _not_ready_once(self, stop: asyncio.Event) -> None:
-        """Fail readiness the moment the worker is told to stop, not when its loop notices."""
-        await stop.wait()
-        self.health.mark_stopping()
-
-    async def _tenant_loop(self, stop: asyncio.Event) -> None:
-        """Pick up new tenants and changed settings every few seconds, without a restart."""
-        while not stop.is_set():
-            await _sleep_unless(stop, TENANT_REFRESH_S)
-            try:
-                await self._refresh_tenants()
-            except REDIS_TROUBLE as exc:
-                logger.warning("reading tenants failed: %s", exc)
-
-    async def _refresh_tenants(self) -> None:
-        await self.lanes.refresh()
-        for lane in self.lanes:
-            self.scheduler.set_weight(lane.tenant, lane.weight)
-
-    async def _janitor_loop(self, stop: asyncio.Event) -> None:
-        """Recover idle entries of dead workers on every lane, and prune; nothing ends it."""
-        interval_s = max(self.settings.claim_idle_ms / 2000, 0.05)
-        while not stop.is_set():
-            await _sleep_unless(stop, interval_s)
-            if stop.is_set():
-                return
-            for lane in self.lanes:
-                try:
-                    await self._recover(lane, lane.janitor.idle_entries(), stop)
-                    await lane.janitor.prune_if_due()
-                except REDIS_TROUBLE as exc:
-                    logger.warning("janitor sweep of %s failed: %s", lane.tenant, exc)
-                except Exception:
-                    logger.exception("janitor sweep of %s failed", lane.tenant)
-
     async def _retry_until_up(self, action: Any, stop: asyncio.Event) -> None:
         delay_s = 0.1
         while True:
@@ -415,25 +335,10 @@ class Worker:
                 if stop.is_set():
                     raise
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
-                await _sleep_unless(stop, delay_s)
+                await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep `seconds`, waking early when `stop` is set."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
 
 
 def _estimated_tokens(entry: Entry) -> int:
     """A request's prompt tokens, from its envelope's size (4 bytes a token, ~64 of header)."""
     return max((len(entry.fields.get(b"m", b"")) - 64) // 4, 1)
-
-
-def health_state(settings: WorkerSettings) -> HealthState:
-    """Probe thresholds for a worker: its read loop turns at least every stall timeout plus
-    half a second, its heartbeat loop every `heartbeat_s`; allow several of each."""
-    return HealthState(
-        loop_stale_s=max(60.0, 3 * settings.redis.stall_timeout_s),
-        heartbeat_stale_s=max(30.0, 5 * settings.heartbeat_s),
-    )

@@ -7,10 +7,13 @@ and an idle tenant's share goes to the rest. A batch is split by tenant and each
 with its tenant's keys (replies, cache namespace, acknowledgements), concurrently: the backend
 batches concurrent calls into one forward.
 
-The loop hands each batch to a task, keeping at most `prefetch` batches in flight: while the
-backend computes one batch (off the loop, on its own thread or device), the next is already
-read, decoded and looked up in the cache. Beside the read loop run the `Upkeep` loops: a
-heartbeat, a tenant refresh and a janitor that reclaims entries abandoned by dead workers.
+The loop hands each batch to a task, keeping at most `prefetch` batches in flight. While the
+backend computes one batch (off the loop, on its own thread or device), the loop reads ahead
+into the scheduler, but the scheduler picks the next batch only when the backend is done with
+the current one's prompts (`late_binding`): requests arriving meanwhile can still
+join it, and replying to one batch overlaps the next one's forward. Beside the read loop run
+the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries
+abandoned by dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from shared.connections import bounded
@@ -34,6 +37,7 @@ from shared.settings import WorkerSettings
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
+from .late_binding import BackendSlot, BatchForward, ForwardPart
 from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
@@ -81,6 +85,7 @@ class Worker:
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
+        self.slot = BackendSlot()
         self.upkeep = Upkeep(self)
 
     # the settings' tenant: what a single-tenant deployment uses
@@ -212,19 +217,33 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                entries = await bounded(
+                if self.slot.busy:  # read ahead, pick when the backend is done (late binding)
+                    await bounded(self._read_into_scheduler(None), self._stall_s, "read ahead")
+                    await self.slot.wait_free(_IDLE_BLOCK_MS / 1000)
+                    continue
+                picks = await bounded(
                     self._read_batch(block_ms=_IDLE_BLOCK_MS),
-                    _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
+                    _IDLE_BLOCK_MS / 1000 + self._stall_s,
                     "request read",
                 )
             except REDIS_TROUBLE as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
                 await sleep_unless(stop, 0.5)
                 continue
-            if entries:
-                task = asyncio.create_task(self._handle(entries))
-                self._inflight.add(task)
-                task.add_done_callback(self._batch_done)
+            if picks:
+                self._start(picks)
+
+    def _start(self, picks: list[Pick[tuple[Lane, Entry]]]) -> None:
+        """Answer a batch in a task; it holds the backend slot until its forward is done."""
+        release = self.slot.hold()
+        task = asyncio.create_task(self._handle(picks, computed=release))
+        self._inflight.add(task)
+        task.add_done_callback(lambda _: release())  # a failed batch releases it too
+        task.add_done_callback(self._batch_done)
+
+    @property
+    def _stall_s(self) -> float:
+        return self.settings.redis.stall_timeout_s
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         """Forget a finished batch task; a failure leaves its entries pending for the janitor."""
@@ -235,14 +254,15 @@ class Worker:
     async def _read_batch(self, block_ms: int | None) -> list[Pick[tuple[Lane, Entry]]]:
         """The next fair batch: read what the scheduler lacks, then let it pick.
 
-        Blocks for the first entry only when nothing is queued; waits max_wait_ms for more
-        when the batch would not be full.
+        Blocks for the first entry only when nothing is queued, and then waits max_wait_ms for
+        more when the batch would not be full; entries queued already (read ahead during the
+        last forward) had their wait, and the backend is idle now.
         """
         size = self.settings.batch_size
         if not self.scheduler.backlog():
             await self._read_into_scheduler(block_ms)
-        if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
-            await asyncio.sleep(self.settings.max_wait_ms / 1000)
+            if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
+                await asyncio.sleep(self.settings.max_wait_ms / 1000)
         await self._read_into_scheduler(None)
         return self.scheduler.pick(size, self.settings.max_batch_tokens)
 
@@ -264,8 +284,15 @@ class Worker:
                 self.scheduler.add(tenant, (lane, entry), _estimated_tokens(entry))
 
     # -- answering -------------------------------------------------------------------------------
-    async def _handle(self, picks: Sequence[Pick[tuple[Lane, Entry]]]) -> None:
-        """Answer one fair batch: each tenant's part with its own keys, all at once."""
+    async def _handle(
+        self,
+        picks: Sequence[Pick[tuple[Lane, Entry]]],
+        computed: Callable[[], None] | None = None,
+    ) -> None:
+        """Answer one fair batch: each tenant's part with its own keys, all at once.
+
+        The parts call the backend together; `computed` is called once it is done with all.
+        """
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
         for pick in picks:
             lane, entry = pick.item
@@ -273,9 +300,10 @@ class Worker:
         charged: dict[str, float] = {}
         for pick in picks:
             charged[pick.item[0].tenant] = charged.get(pick.item[0].tenant, 0.0) + pick.charged
+        forward = BatchForward(len(parts), computed)
         results = await asyncio.gather(
             *(
-                self._handle_lane(lane, entries, charged[lane.tenant])
+                self._handle_lane(lane, entries, charged[lane.tenant], forward.part())
                 for lane, entries in parts.values()
             ),
             return_exceptions=True,
@@ -285,7 +313,11 @@ class Worker:
                 raise result
 
     async def _handle_lane(
-        self, lane: Lane, entries: Sequence[Entry], charged: float = 0.0
+        self,
+        lane: Lane,
+        entries: Sequence[Entry],
+        charged: float = 0.0,
+        forward: ForwardPart | None = None,
     ) -> None:
         """Process one tenant's entries and write their outcome; keep their claims fresh.
 
@@ -295,7 +327,7 @@ class Worker:
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
-            outcome = await lane.processor.process(entries)
+            outcome = await lane.processor.process(entries, forward)
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)

@@ -270,11 +270,10 @@ class Worker:
         """Read new entries of every lane holding less than a batch in the scheduler."""
         size = self.settings.batch_size
         wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
-        by_lane: dict[str, list[Entry]] = {}
+        by_lane: dict[str, tuple[Lane, list[Entry]]] = {}
         for lane, entry in await self.lanes.read(wanting, size, block_ms):
-            by_lane.setdefault(lane.tenant, []).append(entry)
-        for tenant, entries in by_lane.items():
-            lane = self.lanes.lane(tenant)
+            by_lane.setdefault(lane.tenant, (lane, []))[1].append(entry)
+        for tenant, (lane, entries) in by_lane.items():  # a lane removed meanwhile: answered
             entries, refused = await self.lanes.over_cap(lane, entries)
             if refused.acks:
                 await lane.writer.flush(refused)

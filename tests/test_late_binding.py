@@ -20,7 +20,7 @@ from shared.keys import KeySpace
 from shared.tenants import TenantConfig
 from shared.wire import Request, encode_request
 from workers.backends.mock import MockAsyncLM
-from workers.late_binding import BackendSlot, BatchForward
+from workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"
@@ -93,6 +93,22 @@ def test_the_backend_slot_is_free_only_when_every_holder_released() -> None:
     assert slot.busy
     second()
     assert not slot.busy
+
+
+def test_the_next_batch_is_picked_a_fifth_of_a_forward_before_the_backend_is_done() -> None:
+    now = [0.0]
+    slot = BackendSlot(clock=lambda: now[0])
+    assert slot.pick_in_s() == 0.0
+    release = slot.hold()
+    assert slot.pick_in_s() is None  # no estimate yet: until this batch is through
+    now[0] = 1.0
+    release()
+    assert slot.forward_s == 1.0 and slot.pick_in_s() == 0.0
+    slot.hold()
+    now[0] = 1.5
+    assert slot.pick_in_s() == pytest.approx((1 - PICK_LEAD) - 0.5)
+    slot.hold()
+    assert slot.pick_in_s() is None  # a batch waits for the backend already
 
 
 async def test_the_parts_of_a_batch_call_the_backend_together() -> None:

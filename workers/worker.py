@@ -217,9 +217,9 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                if self.slot.busy:  # read ahead, pick when the backend is done (late binding)
+                if self.slot.pick_in_s() != 0.0:  # read ahead; pick when the backend is
                     await bounded(self._read_into_scheduler(None), self._stall_s, "read ahead")
-                    await self.slot.wait_free(_IDLE_BLOCK_MS / 1000)
+                    await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)  # about to be done
                     continue
                 picks = await bounded(
                     self._read_batch(block_ms=_IDLE_BLOCK_MS),

@@ -9,11 +9,11 @@ batches concurrent calls into one forward.
 
 The loop hands each batch to a task, keeping at most `prefetch` batches in flight. While the
 backend computes one batch (off the loop, on its own thread or device), the loop reads ahead
-into the scheduler, but the scheduler picks the next batch only when the backend is done with
-the current one's prompts (`late_binding`): requests arriving meanwhile can still
-join it, and replying to one batch overlaps the next one's forward. Beside the read loop run
-the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries
-abandoned by dead workers.
+into the scheduler, but the scheduler picks the next batch only when the backend is about to
+be done with the current one (`late_binding`): requests arriving meanwhile can still join it,
+and replying to one batch overlaps the next one's forward. Beside the read loop run the
+`Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries abandoned by
+dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under

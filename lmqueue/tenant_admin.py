@@ -125,7 +125,9 @@ class TenantAdmin:
     def remove(self, name: str) -> None:
         """Delete the tenant's user (its connections close), record and quota hashes.
 
-        Its request and reply streams stay: requests already accepted are still answered.
+        Its request and reply streams stay. Within a tenant refresh, workers stop reading its
+        request stream: requests they had read are answered, the rest stay in the stream
+        (answered if the tenant is added again).
         """
         self._not_myself(validate_tenant(name))
         self._acl("DELUSER", name)

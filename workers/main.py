@@ -28,7 +28,8 @@ from shared.settings import RedisSettings, WorkerSettings
 from .backend_loader import load_backend
 from .health import HealthServer, HealthState
 from .metrics import WorkerMetrics
-from .worker import Worker, health_state
+from .upkeep import health_state
+from .worker import Worker
 
 __all__ = ["main", "build_parser", "run_worker"]
 

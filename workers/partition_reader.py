@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared.connections import is_cluster
+from shared.errors import SettingsError
 from shared.keys import WORKER_GROUP
 from shared.partitions import owned_partitions
 from shared.registry import ModelRegistry
@@ -74,6 +75,28 @@ class PartitionReader:
             logger.info("owning partitions %s of %d (%d live workers)", sorted(owned),
                         self.count, len(set(live) | {self.settings.name}))  # fmt: skip
         self.owned = owned
+
+    async def check_peers(self) -> None:
+        """Refuse to serve with another partition count than the model's live workers: clients
+        would send requests to streams that some workers never read.
+
+        Raises:
+            SettingsError: naming the live workers and their count.
+        """
+        name, me = self.settings.model, self.settings.name
+        if not await self.registry.is_published(name):
+            return
+        published = (await self.registry.info(name)).partitions
+        if published == self.count:
+            return
+        within_s = max(3 * self.settings.heartbeat_s, 1.0)
+        others = sorted(set(await self.registry.live_workers(name, within_s)) - {me})
+        if others:
+            raise SettingsError(
+                f"partitions={self.count}, but live workers of {name} ({', '.join(others[:3])}) "
+                f"serve it with {published}: start every worker of a model with the same "
+                "LMQ_PARTITIONS"
+            )
 
     async def read(
         self, lanes: Sequence[Lane], count: int, block_ms: int | None

@@ -9,8 +9,11 @@ tenant B's keys; cached vectors are read and written in the lane's cache namespa
 Tenants come from the operator's ``lmq:tenants`` hash plus the worker's own settings tenant
 (``default``); `refresh` picks up new ones while the worker runs (every few seconds), mirrors
 each tenant's limits into its ``:quota`` hash of this model, and loads the admission script,
-which tenants may run but not load. All request streams of a model share the ``{<model>}``
-hash slot, so one XREADGROUP reads them all (`read`).
+which tenants may run but not load. A tenant gone from the hash (``lmq tenant remove``) loses
+its lane: its stream is read no more, entries not yet read stay in it (answered if the tenant
+comes back), and entries already read are still answered, by the lane each carries with it.
+All request streams of a model share the ``{<model>}`` hash slot, so one XREADGROUP reads them
+all (`read`).
 
 A tenant's ``max_inflight`` binds clients through the admission script, which a client could
 skip by writing its stream directly; `over_cap` is the authoritative check: while a tenant's
@@ -159,8 +162,13 @@ class TenantLanes:
     # -- the operator's tenants ------------------------------------------------------------------
     async def refresh(self) -> list[str]:
         """Read the tenants, mirror their quotas, create missing groups, see which partitions
-        this worker owns now; returns new tenants."""
+        this worker owns now; returns new tenants.
+
+        A tenant no longer listed loses its lanes (their streams' mapping stays until the next
+        refresh, for a read already under way).
+        """
         records = await self.redis.hgetall(self.keys.tenants())
+        self._by_stream = {lane.stream.stream: lane for lane in self}
         new = []
         for raw_name, raw in records.items():
             name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
@@ -180,6 +188,11 @@ class TenantLanes:
             await self._mirror_quota(lanes[0].keys, config)
         for name in new:
             logger.info("serving tenant %s", name)
+        listed = {name.decode() if isinstance(name, bytes) else str(name) for name in records}
+        for name in [name for name in self._lanes if name not in listed]:
+            if name != self.default.tenant:
+                del self._lanes[name]
+                logger.info("tenant %s removed: no longer reading its stream", name)
         await self.redis.script_load(ADMISSION_LUA)
         await self.reader.refresh_owners()
         return new

@@ -7,11 +7,13 @@ seconds) and reads:
 
 1. its own partitions, every tenant's streams of a partition in one XREADGROUP (they share the
    ``{<model>:<p>}`` slot; on a single instance all of them in one);
-2. when those stayed empty for `steal_after_ms`, the other partitions, one at a time in
-   rotating order until one yields (work stealing). Waiting first keeps a lineage on its owner
-   while the owner keeps up: in a steady SMC workload the owner's next calls arrive within
-   milliseconds of its replies, so a worker that is merely between batches steals nothing; a
-   dead owner's partitions, a hot partition and the tail of a run are shared.
+2. when those stayed empty for `steal_after_ms` while the worker was idle (no batch in the
+   backend or waiting in its scheduler), the other partitions, one at a time in rotating
+   order until one yields (work stealing). Waiting first keeps a lineage on its owner while
+   the owner keeps up: in a steady SMC workload the owner's next calls arrive within
+   milliseconds of its replies, so a worker that is merely between batches, or reading ahead
+   during a forward, steals nothing; a dead owner's partitions, a hot partition and the tail
+   of a run are shared.
 
 The consumer group still delivers each entry once, whoever reads it, so two workers briefly
 disagreeing about ownership (heartbeats seen at different times) costs affinity, never
@@ -99,11 +101,14 @@ class PartitionReader:
             )
 
     async def read(
-        self, lanes: Sequence[Lane], count: int, block_ms: int | None
+        self, lanes: Sequence[Lane], count: int, block_ms: int | None, idle: bool = True
     ) -> list[tuple[Lane, Entry]]:
         """Up to `count` new entries from each of `lanes`, owned partitions first.
 
-        Returns within about `block_ms` (None: without blocking).
+        Others' partitions are read only once the owned ones stayed empty for
+        `steal_after_ms` while the worker was `idle` (nothing picked or waiting): a worker
+        reading ahead during a forward steals nothing. Returns within about `block_ms` (None:
+        without blocking).
         """
         if not lanes:
             return []
@@ -111,6 +116,9 @@ class PartitionReader:
             return await self._read(lanes, count, block_ms)
         own = [lane for lane in lanes if lane.partition in self.owned]
         others = [lane for lane in lanes if lane.partition not in self.owned]
+        if not idle:
+            self._own_empty_since = None
+            return await self._read(own, count, block_ms) if own else []
         if own and (read := await self._read(own, count, None)):
             self._own_empty_since = None
             return read

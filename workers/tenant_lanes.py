@@ -213,12 +213,13 @@ class TenantLanes:
 
     # -- reading -----------------------------------------------------------------------------------
     async def read(
-        self, lanes: Sequence[Lane], count: int, block_ms: int | None
+        self, lanes: Sequence[Lane], count: int, block_ms: int | None, idle: bool = True
     ) -> list[tuple[Lane, Entry]]:
         """Up to `count` new entries from each of `lanes`: the owned partitions' first, others'
-        only when those stayed empty (`PartitionReader`); one XREADGROUP per hash slot."""
+        only when those stayed empty while the worker was `idle` (`PartitionReader`); one
+        XREADGROUP per hash slot."""
         try:
-            return await self.reader.read(lanes, count, block_ms)
+            return await self.reader.read(lanes, count, block_ms, idle)
         except ResponseError as exc:
             if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                 raise

@@ -278,8 +278,9 @@ class Worker:
         """Read new entries of every lane holding less than a batch in the scheduler."""
         size = self.settings.batch_size
         wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
+        idle = not self.slot.busy and not self.scheduler.backlog()  # else: no stealing
         by_lane: dict[str, tuple[Lane, list[Entry]]] = {}
-        for lane, entry in await self.lanes.read(wanting, size, block_ms):
+        for lane, entry in await self.lanes.read(wanting, size, block_ms, idle):
             by_lane.setdefault(lane.stream.stream, (lane, []))[1].append(entry)
         for lane, entries in by_lane.values():  # a lane removed meanwhile: answered
             entries, refused = await self.lanes.over_cap(lane, entries)

@@ -137,8 +137,9 @@ async def _until(predicate: Any, timeout_s: float = 15.0) -> None:
 
 
 def _start(smol_tokenizer: Any, url: str, name: str, **settings: Any) -> ThreadedWorker:
+    settings.setdefault("heartbeat_s", 2.0)  # ownership is stable while heartbeats are on time
     return ThreadedWorker(RecordingMock(smol_tokenizer), url, name=name, partitions=4,
-                          heartbeat_s=0.5, **settings).start()  # fmt: skip
+                          **settings).start()  # fmt: skip
 
 
 def _owned(thread: ThreadedWorker) -> frozenset[int]:
@@ -191,7 +192,9 @@ async def test_an_idle_worker_steals_a_silent_owners_partitions_then_owns_them(
 
     beating = asyncio.create_task(ghost_beats())
     await asyncio.sleep(0.2)
-    thread = await asyncio.to_thread(_start, smol_tokenizer, redis_url, "alive", steal_after_ms=20)
+    thread = await asyncio.to_thread(
+        _start, smol_tokenizer, redis_url, "alive", steal_after_ms=20, heartbeat_s=0.5
+    )
     try:
         assert len(_owned(thread)) == 2  # the ghost owns the other two
         lm = await QueueLM.connect(MODEL, redis_url=redis_url)
@@ -204,6 +207,10 @@ async def test_an_idle_worker_steals_a_silent_owners_partitions_then_owns_them(
         assert thread.worker is not None and thread.worker.lanes.reader.stolen > 0
         beating.cancel()  # the ghost dies: its heartbeat expires, the survivor owns everything
         await _until(lambda: _owned(thread) == frozenset(range(4)))
+        registry, labels = thread.worker.metrics.registry, {"model": MODEL}
+        assert registry.get_sample_value("lmq_partitions_owned", labels) == 4
+        stolen = registry.get_sample_value("lmq_stolen_entries_total", labels)
+        assert stolen == thread.worker.lanes.reader.stolen
     finally:
         beating.cancel()
         thread.stop()

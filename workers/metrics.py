@@ -23,6 +23,8 @@ prompts never become labels.
     lmq_kv_cache_max_tokens{model}                  their bound
     lmq_kv_cache_bytes{model}                       bytes those positions take
     lmq_heartbeat_timestamp_seconds{model}          Unix time of the last heartbeat written
+    lmq_partitions_owned{model}                     request stream partitions this worker owns
+    lmq_stolen_entries_total{model}                 entries taken from partitions it does not own
     process_resident_memory_bytes, ...              the standard process collector (RSS, CPU)
 
 Enqueue times come from stream entry ids, which are Redis's millisecond clock at XADD: the
@@ -112,6 +114,14 @@ class WorkerMetrics:
             "lmq_heartbeat_timestamp_seconds", "Unix time of the last heartbeat written to Redis.",
             ["model"], registry=reg,
         )  # fmt: skip
+        self._owned = Gauge(
+            "lmq_partitions_owned", "Request stream partitions this worker owns.",
+            ["model"], registry=reg,
+        )  # fmt: skip
+        self._stolen = Counter(
+            "lmq_stolen_entries", "Entries taken from partitions other workers own.",
+            ["model"], registry=reg,
+        )  # fmt: skip
         self._backend = _BackendCollector(model)
         reg.register(self._backend)
         if process_metrics:
@@ -153,6 +163,12 @@ class WorkerMetrics:
         """`n` entries of `tenant` went to the dead-letter stream."""
         if n:
             self._dead.labels(self.model, tenant).inc(n)
+
+    def observe_partitions(self, owned: int, stolen: int = 0) -> None:
+        """The worker owns `owned` partitions and took `stolen` more entries from others'."""
+        self._owned.labels(self.model).set(owned)
+        if stolen:
+            self._stolen.labels(self.model).inc(stolen)
 
     def count_shared_cache(self, hits: int, misses: int) -> None:
         """One lookup in the shared (cache-role) output cache found `hits` of its keys."""

@@ -35,6 +35,7 @@ from shared.partitions import owned_partitions
 from shared.registry import ModelRegistry
 from shared.settings import WorkerSettings
 
+from .metrics import WorkerMetrics
 from .request_stream import Entry
 
 if TYPE_CHECKING:
@@ -52,8 +53,12 @@ _POLL_MS = 10
 class PartitionReader:
     """The read side of one worker over its model's partitions."""
 
-    def __init__(self, redis: Any, settings: WorkerSettings, count: int) -> None:
+    def __init__(
+        self, redis: Any, settings: WorkerSettings, count: int,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:  # fmt: skip
         self.redis = redis
+        self.metrics = metrics
         self.settings = settings
         self.count = count
         self.registry = ModelRegistry(redis, settings.redis.keyspace())
@@ -77,6 +82,8 @@ class PartitionReader:
             logger.info("owning partitions %s of %d (%d live workers)", sorted(owned),
                         self.count, len(set(live) | {self.settings.name}))  # fmt: skip
         self.owned = owned
+        if self.metrics is not None:
+            self.metrics.observe_partitions(len(owned))
 
     async def check_peers(self) -> None:
         """Refuse to serve with another partition count than the model's live workers: clients
@@ -138,6 +145,8 @@ class PartitionReader:
                 return []
         stolen = await self._steal(others, count)
         self.stolen += len(stolen)
+        if stolen and self.metrics is not None:
+            self.metrics.observe_partitions(len(self.owned), len(stolen))
         return stolen
 
     async def _steal(self, others: Sequence[Lane], count: int) -> list[tuple[Lane, Entry]]:

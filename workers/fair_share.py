@@ -105,6 +105,10 @@ class FairShare(Generic[T]):
         """Tenants with requests waiting."""
         return [name for name, state in self._tenants.items() if state.queue]
 
+    def queued(self) -> list[T]:
+        """Every request waiting, of every tenant (not picked yet)."""
+        return [item for state in self._tenants.values() for item, _ in state.queue]
+
     def wanting(self, tenants: Iterable[str], depth: int) -> list[str]:
         """Of `tenants`, those with fewer than `depth` requests waiting: the streams to read."""
         return [tenant for tenant in tenants if self.backlog(tenant) < depth]

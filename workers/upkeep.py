@@ -4,6 +4,8 @@
   after a Redis restart (the registry entry is gone);
 * a tenant refresh, so new tenants and changed weights are served within a few seconds;
 * a janitor sweep, which answers entries abandoned by dead workers on every lane, and prunes;
+* claims of entries read ahead, waiting in the fair-share scheduler for a batch, kept fresh
+  (as a running batch keeps its own), so no janitor reclaims them during a long forward;
 * readiness, failed the moment the worker is told to stop.
 
 Kept apart from `Worker` so that the worker module reads as lifecycle, reading and answering.
@@ -26,6 +28,7 @@ from shared.worker_stats import WorkerStats, write_worker_stats
 from .health import HealthState
 
 if TYPE_CHECKING:
+    from .tenant_lanes import Lane
     from .worker import Worker
 
 __all__ = ["Upkeep", "health_state", "sleep_unless", "TENANT_REFRESH_S"]
@@ -50,7 +53,23 @@ class Upkeep:
             asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
             asyncio.create_task(self._tenant_loop(stop), name="tenants"),
             asyncio.create_task(self._not_ready_once(stop), name="readiness"),
+            asyncio.create_task(self._keep_queued_claims(stop), name="queued-claims"),
         ]
+
+    async def _keep_queued_claims(self, stop: asyncio.Event) -> None:
+        """Every third of the claim timeout, reset the idle time of the entries queued."""
+        worker = self.worker
+        interval_s = worker.settings.claim_idle_ms / 3000
+        while not stop.is_set():
+            await sleep_unless(stop, interval_s)
+            by_stream: dict[str, tuple[Lane, list[str]]] = {}
+            for lane, entry in worker.scheduler.queued():
+                by_stream.setdefault(lane.stream.stream, (lane, []))[1].append(entry.entry_id)
+            for lane, entry_ids in by_stream.values():
+                try:
+                    await lane.stream.touch(entry_ids)
+                except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
+                    logger.info("keeping queued claims fresh failed: %s", exc)
 
     def start_janitor(self, stop: asyncio.Event) -> asyncio.Task[None]:
         """Start the janitor sweep; it runs until `stop`."""

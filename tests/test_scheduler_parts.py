@@ -8,8 +8,11 @@ import json
 
 import msgpack
 import pytest
+import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 import regex
 from arq.constants import in_progress_key_prefix
+from redis.crc import key_slot
 
 from lmqueue.experiments_cli import build_params, parse_duration_s, parse_time_s
 from producer.experiments import ExperimentStatus, tenant_of_url, validate_experiment_id
@@ -18,6 +21,7 @@ from scheduler.kinds import resolve_kinds
 from scheduler.kinds.regex_constraint import RegexConstraint
 from scheduler.serialization import pack, unpack
 from scheduler.settings import SchedulerSettings
+from shared.connections import slot_groups
 from shared.errors import InvalidName, SettingsError
 from shared.keys import KeySpace, arq_in_progress
 from shared.lm.trie import TokenCharacterTrie
@@ -130,3 +134,19 @@ def test_cli_durations_times_and_params():
     assert parse_time_s("2026-11-24T04:00+01:00") == utc
     args = argparse.Namespace(params=None, data=None, set=["n=4", "prompt=hi there", "t=0.5"])
     assert build_params(args) == {"n": 4, "prompt": "hi there", "t": 0.5}
+
+
+async def test_inboxes_are_one_read_on_a_single_instance_and_one_per_slot_on_a_cluster():
+    inboxes = [KeySpace(tenant=t).experiment_inbox().encode() for t in ("default", "alice", "b")]
+    tagged = [b"x:{t}:a", b"x:{t}:b"]  # one hash tag: one slot
+    plain = aioredis.Redis()
+    cluster = aiocluster.RedisCluster(host="127.0.0.1", port=1)  # never connects here
+    try:
+        assert slot_groups(plain, inboxes + tagged) == [inboxes + tagged]
+        groups = slot_groups(cluster, inboxes + tagged)
+        assert tagged in groups and len(groups) == len({key_slot(k) for k in inboxes}) + 1
+        assert all(len({key_slot(k) for k in group}) == 1 for group in groups)
+        assert slot_groups(cluster, []) == slot_groups(plain, []) == []
+    finally:
+        await plain.aclose()
+        await cluster.aclose()

@@ -25,6 +25,7 @@ from shared.connections import slot_groups
 from shared.errors import InvalidName, SettingsError
 from shared.keys import KeySpace, arq_in_progress
 from shared.lm.trie import TokenCharacterTrie
+from shared.settings import configured_control_url
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +110,12 @@ def test_scheduler_settings_load_a_json_file_and_name_bad_values(tmp_path):
             }
         )
     )
-    settings = SchedulerSettings.load(config, max_jobs=2, lease_s=None)
+    settings = SchedulerSettings.load(config, max_jobs=2, lease_s=None, control_url=None)
     assert settings.tenants == ("default", "alice") and settings.max_jobs == 2
+    assert settings.control_url is None  # the data URL serves both roles (a single instance)
+    assert SchedulerSettings.load(config, control_url="redis://c/0").control_url == "redis://c/0"
+    assert configured_control_url({"LMQ_CONTROL_URL": "redis://c/1"}) == "redis://c/1"
+    assert configured_control_url({"LMQ_REDIS_URL": "redis://d/0"}) is None
     assert settings.url_of("alice") == "redis://alice:pw@h/0"
     assert settings.url_of("default") == settings.redis_url
     assert settings.cron[0].schedule == {"hour": 3, "minute": [0, 30]}

@@ -15,16 +15,20 @@ a control URL is refused here with a `SettingsError` instead of failing later wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from arq.connections import RedisSettings as ArqRedisSettings
 
 from shared.connections import connect_async_redis, is_cluster
 from shared.errors import SettingsError
 
 from .settings import SchedulerSettings
 
-__all__ = ["Planes", "open_planes"]
+__all__ = ["Planes", "open_planes", "arq_settings"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,19 @@ async def open_planes(settings: SchedulerSettings) -> AsyncIterator[Planes]:
         if control is not data:
             await control.aclose()
         await data.aclose()
+
+
+def arq_settings(url: str) -> ArqRedisSettings:
+    """arq's connection settings for `url`, with the TLS options of its query, which arq's
+    ``from_dsn`` drops (a ``rediss://`` control URL names its CA as the data URLs do)."""
+    settings = ArqRedisSettings.from_dsn(url)
+    query = {name: values[-1] for name, values in parse_qs(urlsplit(url).query).items()}
+    tls: dict[str, Any] = {}
+    if "ssl_ca_certs" in query:
+        tls["ssl_ca_certs"] = query["ssl_ca_certs"]
+    if "ssl_check_hostname" in query:
+        tls["ssl_check_hostname"] = query["ssl_check_hostname"].lower() in ("1", "true", "yes")
+    return dataclasses.replace(settings, **tls)
 
 
 def _where(url: str) -> str:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from arq import Worker, cron
-from arq.connections import RedisSettings as ArqRedisSettings
 from arq.cron import CronJob
 from arq.worker import func
 
@@ -25,7 +24,7 @@ from producer.experiments import Experiments
 from .dispatcher import JOB_FUNCTION, Dispatcher
 from .kinds import resolve_kinds
 from .limits import TenantLimit
-from .planes import Planes, open_planes
+from .planes import Planes, arq_settings, open_planes
 from .run import ExperimentRun, SchedulerRuntime
 from .serialization import pack, unpack
 from .settings import CronEntry, SchedulerSettings
@@ -92,7 +91,7 @@ def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) 
             )
         ],
         "cron_jobs": [_cron_job(entry) for entry in settings.cron],
-        "redis_settings": ArqRedisSettings.from_dsn(planes.control_url),
+        "redis_settings": arq_settings(planes.control_url),
         "queue_name": queue,
         "job_serializer": pack,
         "job_deserializer": unpack,

@@ -19,6 +19,7 @@ from producer.experiments import ExperimentStatus, tenant_of_url, validate_exper
 from scheduler.acl import experiment_acl_rules
 from scheduler.kinds import resolve_kinds
 from scheduler.kinds.regex_constraint import RegexConstraint
+from scheduler.planes import arq_settings
 from scheduler.serialization import pack, unpack
 from scheduler.settings import SchedulerSettings
 from shared.connections import slot_groups
@@ -155,3 +156,21 @@ async def test_inboxes_are_one_read_on_a_single_instance_and_one_per_slot_on_a_c
     finally:
         await plain.aclose()
         await cluster.aclose()
+
+
+def test_arq_connects_to_a_tls_control_url_with_its_ca_and_hostname_check():
+    url = "rediss://sched:pw@ctl.example:6380/2?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=true"
+    settings = arq_settings(url)
+    assert (settings.host, settings.port, settings.database, settings.ssl) == (
+        "ctl.example",
+        6380,
+        2,
+        True,
+    )
+    assert (settings.username, settings.ssl_ca_certs, settings.ssl_check_hostname) == (
+        "sched",
+        "/etc/ca.pem",
+        True,
+    )
+    plain = arq_settings("redis://127.0.0.1:6379/0")
+    assert not plain.ssl and plain.ssl_ca_certs is None

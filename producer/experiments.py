@@ -176,7 +176,10 @@ class Experiments:
         tenant: str | None = None,
         settings: RedisSettings | None = None,
     ) -> Experiments:
-        """A client of the Redis at `redis_url` acting for `tenant` (default: the URL's user)."""
+        """A client of the Redis at `redis_url` acting for `tenant` (default: the URL's user).
+
+        A Redis Cluster node's URL works too: the first command asks the node (`_connected`).
+        """
         settings = settings or RedisSettings.from_env()
         if redis_url is not None:
             settings = replace(settings, url=redis_url)

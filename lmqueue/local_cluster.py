@@ -2,7 +2,8 @@
 
 Three masters with one replica each by default, no persistence (``--save '' --appendonly
 no``), a short node timeout so that a killed master's replica is promoted in about two
-seconds. `kill_master_of` and `migrate_slot` are the faults the cluster tests inject.
+seconds. `kill_master_of` and `migrate_slot` are the faults the cluster tests inject. Given a
+certificate and key (`tls`), the nodes speak only TLS, to clients and on the cluster bus.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class LocalCluster:
         node_timeout_ms: ``cluster-node-timeout``: how long a master may be silent before its
             replica takes over.
         maxmemory: each node's ``maxmemory`` (0: unbounded).
+        tls: (certificate, key) PEM files: TLS only, the certificate is also the CA clients
+            verify the nodes with (``rediss://`` URLs).
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class LocalCluster:
         replicas: int = 1,
         node_timeout_ms: int = 1000,
         maxmemory: str = "0",
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         for tool in ("redis-server", "redis-cli"):
             if shutil.which(tool) is None:
@@ -75,6 +79,7 @@ class LocalCluster:
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.maxmemory = maxmemory
+        self.tls = tls
         self.nodes = [ClusterNode(_free_node_port()) for _ in range(masters * (1 + replicas))]
         self._dir = Path(tempfile.mkdtemp(prefix="lmq-cluster-"))
 
@@ -82,7 +87,10 @@ class LocalCluster:
     def url(self) -> str:
         """The redis:// URL of one live node (any node serves as the entry point)."""
         node = next(n for n in self.nodes if n.alive)
-        return f"redis://127.0.0.1:{node.port}/0"
+        if self.tls is None:
+            return f"redis://127.0.0.1:{node.port}/0"
+        query = f"ssl_ca_certs={self.tls[0]}&ssl_check_hostname=true"
+        return f"rediss://127.0.0.1:{node.port}/0?{query}"
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         """Start every node, join them into a cluster, wait for ``cluster_state:ok``."""
@@ -93,7 +101,7 @@ class LocalCluster:
                 self._wait_ping(node, timeout_s)
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             subprocess.run(
-                ["redis-cli", "--cluster", "create", *addresses,
+                ["redis-cli", *self._cli_tls(), "--cluster", "create", *addresses,
                  "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True, capture_output=True, timeout=timeout_s,
             )  # fmt: skip
@@ -107,7 +115,7 @@ class LocalCluster:
     def _spawn(self, node: ClusterNode) -> None:
         log = self._dir / f"redis-{node.port}.log"
         node.process = subprocess.Popen(
-            ["redis-server", "--bind", "127.0.0.1", "--port", str(node.port),
+            ["redis-server", "--bind", "127.0.0.1", *self._listen(node.port),
              "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{node.port}.conf",
              "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
@@ -116,9 +124,22 @@ class LocalCluster:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
-    @staticmethod
-    def _client(port: int) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=1)
+    def _listen(self, port: int) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(port)]
+        cert, key = (str(path) for path in self.tls)
+        return ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes",
+                "--tls-replication", "yes", "--tls-cert-file", cert, "--tls-key-file", key,
+                "--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]  # fmt: skip
+
+    def _cli_tls(self) -> list[str]:
+        return [] if self.tls is None else ["--tls", "--cacert", str(self.tls[0])]
+
+    def _client(self, port: int) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=1,
+            ssl=self.tls is not None, ssl_ca_certs=None if self.tls is None else str(self.tls[0]),
+        )  # fmt: skip
 
     def _wait_ping(self, node: ClusterNode, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from shared.connections import async_redis
+from shared.connections import async_redis, connect_async_redis
 from shared.errors import BadRequest, InvalidName, UnknownExperiment
 from shared.keys import KeySpace
 from shared.redis_errors import redis_boundary
@@ -152,10 +152,21 @@ class Experiments:
     (another tenant's experiment), `Unavailable` when Redis cannot be reached.
     """
 
-    def __init__(self, redis: Any, keyspace: KeySpace) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        keyspace: KeySpace,
+        *,
+        url: str | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
         self.redis = redis
         self.keys = keyspace
         self.tenant = keyspace.tenant
+        #: Set by `connect`: on first use, ask the server whether it is a cluster node.
+        self._url = url
+        self._connect_timeout_s = connect_timeout_s
+        self._connecting = asyncio.Lock()
 
     @classmethod
     def connect(
@@ -165,13 +176,29 @@ class Experiments:
         tenant: str | None = None,
         settings: RedisSettings | None = None,
     ) -> Experiments:
-        """A client of the Redis at `redis_url` acting for `tenant` (default: the URL's user)."""
+        """A client of the Redis at `redis_url` acting for `tenant` (default: the URL's user).
+
+        A Redis Cluster node's URL works too: the first command asks the node (`_connected`).
+        """
         settings = settings or RedisSettings.from_env()
         if redis_url is not None:
             settings = replace(settings, url=redis_url)
         tenant = tenant or tenant_of_url(settings.url, settings.tenant)
         keyspace = KeySpace(settings.prefix, tenant)
-        return cls(async_redis(settings.url, settings.connect_timeout_s), keyspace)
+        client = async_redis(settings.url, settings.connect_timeout_s)
+        return cls(client, keyspace, url=settings.url, connect_timeout_s=settings.connect_timeout_s)
+
+    async def _connected(self) -> None:
+        """Once, before the first command: the cluster client instead if the URL names a
+        Redis Cluster node (`connect` stays synchronous, so the question is asked here)."""
+        if self._url is None:
+            return
+        async with self._connecting:
+            if self._url is None:
+                return
+            client = await connect_async_redis(self._url, self._connect_timeout_s)
+            plain, self.redis, self._url = self.redis, client, None
+            await plain.aclose()
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -208,6 +235,7 @@ class Experiments:
         now_ms = int(time.time() * 1000)
         encoded = json.dumps(dict(params or {}), separators=(",", ":"))
         with redis_boundary(f"submitting experiment {experiment_id!r}"):
+            await self._connected()
             if not await self.redis.hsetnx(record, "submitted_ms", now_ms):
                 return experiment_id  # the same id runs once
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -234,6 +262,7 @@ class Experiments:
         """
         validate_experiment_id(experiment_id)
         with redis_boundary(f"reading experiment {experiment_id!r}"):
+            await self._connected()
             raw = await self.redis.hgetall(self.keys.experiment_record(experiment_id))
         if not raw:
             raise UnknownExperiment(
@@ -244,6 +273,7 @@ class Experiments:
     async def list(self) -> builtins.list[ExperimentStatus]:
         """Every experiment of this tenant, oldest first."""
         with redis_boundary("listing experiments"):
+            await self._connected()
             ids = await self.redis.zrange(self.keys.experiment_index(), 0, -1)
         statuses = []
         for raw_id in ids:

@@ -3,7 +3,9 @@
 A tenant's experiment keys all start with ``<prefix>:<tenant>:exp:`` (see `shared.keys`);
 the scheduler's own bookkeeping is under ``<prefix>:_sched:`` and arq's under ``arq:``, which
 no tenant pattern covers. The scheduler itself runs as a user with access to both (for
-example the operator's, or one granted ``~arq:* ~<prefix>:*``).
+example the operator's, or one granted ``~arq:* ~<prefix>:*``); with a separate control plane
+(`scheduler.planes`), ``~<prefix>:*`` on the data Redis and ``~arq:* ~<prefix>:_sched:*`` on
+the control instance.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ Tenants cannot write arq's keys, so each posts orders on its own inbox stream; t
 processes share one consumer group over all the inboxes of the tenants they serve. The tenant
 of an order is the stream it was read from, never a field the client wrote. Enqueueing uses
 the tenant-scoped job id, so an order read twice (after a crash) enqueues one job.
+
+The inboxes are on the data plane. On a single instance one XREADGROUP reads them all; on a
+Redis Cluster each inbox hashes to its own slot (the key carries no hash tag: a tenant's keys
+are named by the tenant alone), and a multi-stream XREADGROUP must stay in one slot, so each
+group of inboxes sharing a slot has its own blocking read loop (`slot_groups`), concurrently.
+A scheduler serving T tenants on a cluster thus holds up to T blocked connections.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from producer.experiments import ExperimentStatus, validate_experiment_id
+from shared.connections import slot_groups
 from shared.errors import InvalidName
 from shared.redis_errors import REDIS_TROUBLE
 
@@ -35,7 +42,10 @@ _RECLAIM_IDLE_MS = 10_000
 
 
 class Dispatcher:
-    """Read every served tenant's inbox and enqueue each submitted experiment once."""
+    """Read every served tenant's inbox and enqueue each submitted experiment once.
+
+    `redis` is the data plane (a plain or a cluster client), `arq` arq's pool (control plane).
+    """
 
     def __init__(self, settings: SchedulerSettings, redis: Any, arq: Any, kinds: set[str]) -> None:
         self.settings = settings
@@ -46,24 +56,36 @@ class Dispatcher:
             settings.keyspace(t).experiment_inbox().encode(): t for t in settings.tenants
         }
 
+    @property
+    def groups(self) -> list[list[bytes]]:
+        """The inboxes one XREADGROUP can read together: all of them, or one slot's on a cluster."""
+        return slot_groups(self.redis, self.tenant_of)
+
     async def run(self) -> None:
-        """Dispatch until cancelled; Redis troubles are logged and outlived."""
+        """Dispatch until cancelled, one read loop per group of inboxes."""
+        await asyncio.gather(*(self._run_group(group) for group in self.groups))
+
+    async def _run_group(self, inboxes: list[bytes]) -> None:
+        """Dispatch the orders of `inboxes`; Redis troubles are logged and outlived."""
         ready = False
         while True:
             try:
                 if not ready:
-                    await self._create_groups()
-                    await self._reclaim()
+                    await self._create_groups(inboxes)
+                    await self._reclaim(inboxes)
                     ready = True
-                await self.dispatch_once(_BLOCK_MS)
+                await self.dispatch_once(_BLOCK_MS, inboxes)
             except REDIS_TROUBLE as exc:
                 logger.warning("dispatcher: %r; retrying in 1 s", exc)
                 ready = False
                 await asyncio.sleep(1)
 
-    async def dispatch_once(self, block_ms: int | None = None) -> int:
-        """Read and dispatch one batch of orders; how many."""
-        streams = {stream: ">" for stream in self.tenant_of}
+    async def dispatch_once(
+        self, block_ms: int | None = None, inboxes: list[bytes] | None = None
+    ) -> int:
+        """Read and dispatch one batch of orders of `inboxes` (one group; default: all, which
+        only a single instance reads at once); how many."""
+        streams = {stream: ">" for stream in (self.tenant_of if inboxes is None else inboxes)}
         reply = await self.redis.xreadgroup(
             SCHEDULER_GROUP, self.settings.name, streams, count=100, block=block_ms
         )
@@ -76,17 +98,18 @@ class Dispatcher:
                 count += 1
         return count
 
-    async def _create_groups(self) -> None:
-        for stream in self.tenant_of:
+    async def _create_groups(self, inboxes: list[bytes]) -> None:
+        for stream in inboxes:
             try:
                 await self.redis.xgroup_create(stream, SCHEDULER_GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def _reclaim(self) -> None:
+    async def _reclaim(self, inboxes: list[bytes]) -> None:
         """Orders a dead scheduler read but never acknowledged: dispatch them (idempotent)."""
-        for stream, tenant in self.tenant_of.items():
+        for stream in inboxes:
+            tenant = self.tenant_of[stream]
             _, entries, *_ = await self.redis.xautoclaim(
                 stream, SCHEDULER_GROUP, self.settings.name, _RECLAIM_IDLE_MS, count=1000
             )

@@ -1,10 +1,12 @@
 """``lmq scheduler`` (also ``python -m scheduler``): run one scheduler process.
 
-    lmq scheduler --redis-url redis://127.0.0.1:6379/0 [--config scheduler.json]
+    lmq scheduler --redis-url redis://127.0.0.1:6379/0 [--control-url URL] [--config FILE]
                   [--max-jobs N] [--max-running-per-tenant N] [--kind NAME=module:function]
 
 Start more processes to run more experiments at once; stop one with SIGTERM or Ctrl-C (its
 running experiments go back to the queue and resume from their checkpoints elsewhere).
+When the data Redis (``--redis-url``) is a Redis Cluster, ``--control-url`` (or
+``LMQ_CONTROL_URL``) names the single instance for arq's and the scheduler's own keys.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from shared.errors import SettingsError
 from shared.failures import report_failure
-from shared.settings import configured_redis_url
+from shared.settings import configured_control_url, configured_redis_url
 
 from .settings import SchedulerSettings
 from .worker import serve
@@ -26,7 +28,12 @@ __all__ = ["add_arguments", "run", "main", "settings_from_args"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The scheduler's flags."""
-    parser.add_argument("--redis-url", default=None, help="default: $LMQ_REDIS_URL")
+    parser.add_argument("--redis-url", default=None, help="the data plane; default: $LMQ_REDIS_URL")
+    parser.add_argument(
+        "--control-url", default=None,
+        help="single instance for arq and the scheduler's keys; default: $LMQ_CONTROL_URL, "
+        "else --redis-url (which must then be a single instance)",
+    )  # fmt: skip
     parser.add_argument("--config", default=None, help="JSON file of SchedulerSettings fields")
     parser.add_argument("--name", default=None, help="this process's consumer name")
     parser.add_argument("--max-jobs", type=int, default=None, help="experiments at once here")
@@ -50,6 +57,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
     settings = SchedulerSettings.load(
         args.config,
         redis_url=args.redis_url or configured_redis_url(),
+        control_url=args.control_url or configured_control_url(),
         name=args.name,
         max_jobs=args.max_jobs,
         max_running_per_tenant=args.max_running_per_tenant,

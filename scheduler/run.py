@@ -8,6 +8,10 @@ While it runs, a watchdog renews the run's leases (the tenant slot, and arq's in
 shortened to `lease_s` so that a killed process's job is retried seconds later instead of after
 the job timeout), writes progress, and cancels the kind's task when the tenant asks: the
 kind's awaits on the model are cancelled, and closing the `QueueLM` withdraws the requests.
+
+The experiment's record and results are on the data plane (`data`, maybe a cluster: every
+command here names one key, and the two scripts name one key or one ``{tenant:id}`` slot);
+arq's in-progress key and the tenant's leases are on the control plane (`control`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ __all__ = ["ExperimentRun", "SchedulerRuntime"]
 logger = logging.getLogger(__name__)
 
 _WATCH_S = 0.25
+_INTERRUPTED = """
+redis.call('HSET', KEYS[1], 'status', 'queued', 'waiting', 'interrupted; resumes')
+return redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+"""
 
 
 @dataclass
@@ -45,7 +53,10 @@ class SchedulerRuntime:
     """What every job of one scheduler process shares."""
 
     settings: SchedulerSettings
-    redis: Any
+    #: the data plane: tenants' experiment keys (a single instance or a cluster client)
+    data: Any
+    #: the control plane: arq's keys and the leases (a single instance)
+    control: Any
     kinds: dict[str, Kind]
     limit: TenantLimit
 
@@ -56,7 +67,8 @@ class ExperimentRun:
     def __init__(self, runtime: SchedulerRuntime, tenant: str, experiment_id: str, job_id: str):
         self.rt = runtime
         self.settings = runtime.settings
-        self.redis = runtime.redis
+        self.redis = runtime.data
+        self.control = runtime.control
         self.keys = runtime.settings.keyspace(tenant)
         self.tenant = tenant
         self.id = experiment_id
@@ -86,7 +98,7 @@ class ExperimentRun:
             await asyncio.shield(self.rt.limit.release(*self.slot))
 
     async def _run(self, raw: dict[bytes, bytes]) -> dict[str, Any]:
-        await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+        await self.control.pexpire(arq_in_progress(self.job_id), self._lease_ms)
         attempts = await self.redis.hincrby(self.record, "attempts", 1)
         if attempts > self.settings.max_attempts:
             error = f"gave up after {attempts - 1} starts (the scheduler stopped during each)"
@@ -167,7 +179,7 @@ class ExperimentRun:
         while not task.done():
             await asyncio.sleep(_WATCH_S)
             try:  # renewed every tick: a lease survives a loop stalled for most of `lease_s`
-                await self.redis.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+                await self.control.pexpire(arq_in_progress(self.job_id), self._lease_ms)
                 await self.rt.limit.renew(*self.slot)
                 if await self.redis.hget(self.record, "cancel_requested") == b"1":
                     self.cancelled_by_tenant = True
@@ -182,11 +194,11 @@ class ExperimentRun:
                 logger.warning("experiment %s: watchdog: %r", self.id, exc)
 
     async def _interrupted(self) -> None:
-        """The scheduler is stopping: back to queued; a clean hand-over costs no attempt."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.record, mapping={"status": "queued", "waiting": "interrupted; resumes"})
-            pipe.hincrby(self.record, "attempts", -1)
-            await pipe.execute()
+        """The scheduler is stopping: back to queued; a clean hand-over costs no attempt.
+
+        One script on the record (a cluster client has no MULTI; one key is one slot).
+        """
+        await self.redis.eval(_INTERRUPTED, 1, self.record)
 
     async def _finish(
         self, status: str, error: str = "", context: ExperimentContext | None = None

@@ -13,6 +13,12 @@ The configuration file (``--config FILE.json``) holds what does not fit on a com
 `tenant_urls` names the tenants this scheduler serves and the identity their experiments use
 to call the model (their own ACL user, so their quotas and fair share apply); the `default`
 tenant is always served, with the scheduler's own URL.
+
+Two Redis roles: `redis_url` is the data plane, where tenants' experiment keys (inbox, index,
+record, results) live beside their request streams, a single instance or a Redis Cluster;
+`control_url` is the control plane, a single instance holding arq's keys (``arq:*``) and the
+scheduler's own (``<prefix>:_sched:*``). arq has no cluster client and its keys span slots, so
+a cluster data plane needs a control URL; on a single instance it defaults to the data URL.
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ class SchedulerSettings:
     """Everything a scheduler process needs."""
 
     redis_url: str = DEFAULT_REDIS_URL
+    #: the single instance for arq's and the scheduler's own keys (None: `redis_url`, which
+    #: must then be a single instance; see `scheduler.planes`)
+    control_url: str | None = None
     prefix: str = "lmq"
     #: tenant -> the Redis URL (that tenant's ACL user) its experiments call the model with.
     tenant_urls: dict[str, str] = field(default_factory=dict)

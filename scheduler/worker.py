@@ -1,8 +1,10 @@
 """The scheduler process: an arq worker whose one function runs experiments.
 
-Its lifespan (arq's ``on_startup``/``on_shutdown``) holds the process's own Redis client, the
-kinds, the tenant limit and the `Dispatcher` task. Cron entries of the settings become arq cron
-jobs that submit a fresh experiment (id ``<name>-<UTC time>``) for their tenant.
+`serve` opens the process's two Redis roles (`scheduler.planes`: tenants' experiment keys on
+the data plane, arq and the leases on the control plane) around the arq worker, whose pool is
+the control plane's. Its lifespan (arq's ``on_startup``/``on_shutdown``) holds the kinds, the
+tenant limit and the `Dispatcher` task. Cron entries of the settings become arq cron jobs that
+submit a fresh experiment (id ``<name>-<UTC time>``) for their tenant.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ from typing import Any
 
 import torch
 from arq import Worker, cron
-from arq.connections import RedisSettings as ArqRedisSettings
 from arq.cron import CronJob
 from arq.worker import func
 
 from producer.experiments import Experiments
-from shared.connections import async_redis
 
 from .dispatcher import JOB_FUNCTION, Dispatcher
 from .kinds import resolve_kinds
 from .limits import TenantLimit
+from .planes import Planes, arq_settings, open_planes
 from .run import ExperimentRun, SchedulerRuntime
 from .serialization import pack, unpack
 from .settings import CronEntry, SchedulerSettings
@@ -43,11 +44,11 @@ async def _startup(ctx: dict[str, Any]) -> None:
     # loop; torch's intra-op threads only contend for the cores (10x slower here, measured:
     # 5 SMC steps x 6 particles took 1.4 s with 2 threads under load, 0.14 s with 1).
     torch.set_num_threads(1)
-    redis = async_redis(settings.redis_url)
+    planes: Planes = ctx["planes"]
     kinds = resolve_kinds(settings.kinds)
-    limit = TenantLimit(redis, settings.max_running_per_tenant, settings.lease_s)
-    ctx["lmq"] = SchedulerRuntime(settings, redis, kinds, limit)
-    dispatcher = Dispatcher(settings, redis, ctx["redis"], set(kinds))
+    limit = TenantLimit(planes.control, settings.max_running_per_tenant, settings.lease_s)
+    ctx["lmq"] = SchedulerRuntime(settings, planes.data, planes.control, kinds, limit)
+    dispatcher = Dispatcher(settings, planes.data, ctx["redis"], set(kinds))
     ctx["dispatcher"] = asyncio.create_task(dispatcher.run(), name="lmq-dispatcher")
 
 
@@ -57,15 +58,12 @@ async def _shutdown(ctx: dict[str, Any]) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    runtime: SchedulerRuntime | None = ctx.get("lmq")
-    if runtime is not None:
-        await runtime.redis.aclose()
 
 
 def _cron_job(entry: CronEntry) -> CronJob:
     async def submit(ctx: dict[str, Any]) -> str:
         runtime: SchedulerRuntime = ctx["lmq"]
-        experiments = Experiments(runtime.redis, runtime.settings.keyspace(entry.tenant))
+        experiments = Experiments(runtime.data, runtime.settings.keyspace(entry.tenant))
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         return await experiments.submit(
             entry.kind, entry.params, model=entry.model, experiment_id=f"{entry.name}-{stamp}"
@@ -77,8 +75,9 @@ def _cron_job(entry: CronEntry) -> CronJob:
     return cron(submit, name=f"cron:{entry.name}", unique=True, **schedule)
 
 
-def build_worker(settings: SchedulerSettings, **overrides: Any) -> Worker:
-    """The arq worker of one scheduler process (msgpack jobs, the experiment function, crons)."""
+def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) -> Worker:
+    """The arq worker of one scheduler process (msgpack jobs, the experiment function, crons),
+    its queue on the control plane of `planes`."""
     queue = settings.keyspace().scheduler_queue()
     options: dict[str, Any] = {
         "functions": [
@@ -92,7 +91,7 @@ def build_worker(settings: SchedulerSettings, **overrides: Any) -> Worker:
             )
         ],
         "cron_jobs": [_cron_job(entry) for entry in settings.cron],
-        "redis_settings": ArqRedisSettings.from_dsn(settings.redis_url),
+        "redis_settings": arq_settings(planes.control_url),
         "queue_name": queue,
         "job_serializer": pack,
         "job_deserializer": unpack,
@@ -101,7 +100,7 @@ def build_worker(settings: SchedulerSettings, **overrides: Any) -> Worker:
         "keep_result": 24 * 3600,
         "on_startup": _startup,
         "on_shutdown": _shutdown,
-        "ctx": {"settings": settings},
+        "ctx": {"settings": settings, "planes": planes},
         "health_check_interval": 60,
     }
     options.update(overrides)
@@ -109,11 +108,16 @@ def build_worker(settings: SchedulerSettings, **overrides: Any) -> Worker:
 
 
 async def serve(settings: SchedulerSettings) -> None:
-    """Run a scheduler process until SIGINT/SIGTERM (its experiments resume elsewhere)."""
-    worker = build_worker(settings)
-    try:
-        await worker.async_run()
-    except asyncio.CancelledError:
-        pass
-    finally:
-        await worker.close()
+    """Run a scheduler process until SIGINT/SIGTERM (its experiments resume elsewhere).
+
+    Raises:
+        SettingsError: if the control plane is not a single instance (`open_planes`).
+    """
+    async with open_planes(settings) as planes:
+        worker = build_worker(settings, planes)
+        try:
+            await worker.async_run()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await worker.close()

@@ -43,6 +43,7 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 import redis.cluster as synccluster
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -55,10 +56,12 @@ __all__ = [
     "is_cluster",
     "cluster_enabled",
     "multi_get",
+    "slot_groups",
     "execute_pipeline",
 ]
 
 T = TypeVar("T")
+K = TypeVar("K", str, bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +167,19 @@ def multi_get(client: Any) -> Callable[[Sequence[Any]], Awaitable[list[Any]]]:
     if is_cluster(client):
         return client.mget_nonatomic
     return client.mget
+
+
+def slot_groups(client: Any, keys: Iterable[K]) -> list[list[K]]:
+    """`keys` grouped so that one multi-key command can name each group: all of them on a
+    single instance; on a cluster, those sharing a hash slot (in first-seen order)."""
+    keys = list(keys)
+    if not is_cluster(client):
+        return [keys] if keys else []
+    groups: dict[int, list[K]] = {}
+    for key in keys:
+        raw = key if isinstance(key, bytes) else str(key).encode()
+        groups.setdefault(key_slot(raw), []).append(key)
+    return list(groups.values())
 
 
 def _cluster_options(connect_timeout_s: float) -> dict[str, Any]:

@@ -30,6 +30,10 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:_sched:running:<tenant>                   zset: the tenant's running experiments (leases)
     lmq:_sched:queue                              the scheduler's arq queue (arq:* keys are arq's)
 
+The ``_sched`` and ``arq:*`` keys are the scheduler's control plane: they live on its control
+instance (``--control-url``, always a single instance; by default the queue's own Redis), the
+``exp`` keys on the queue's Redis with the rest (`scheduler.planes`).
+
 Redis Cluster hashes only the text between the first ``{`` and the next ``}`` of a key (a hash
 tag), and refuses multi-key commands, transactions and Lua scripts whose keys span slots
 (CROSSSLOT). Names cannot contain braces (`validate_name`), so the only tags are these:

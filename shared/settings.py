@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_MAX_BATCH_TOKENS",
     "DEFAULT_MAX_WAIT_MS",
     "configured_redis_url",
+    "configured_control_url",
     "model_cache_dir",
     "url_user",
 ]
@@ -59,6 +60,12 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     """The queue URL set in the environment (``LMQ_REDIS_URL`` or ``REDIS_URL``), else None."""
     environ = os.environ if environ is None else environ
     return environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL") or None
+
+
+def configured_control_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The scheduler's control-plane URL set in the environment (``LMQ_CONTROL_URL``), else None."""
+    environ = os.environ if environ is None else environ
+    return environ.get("LMQ_CONTROL_URL") or None
 
 
 def url_user(url: str) -> str | None:

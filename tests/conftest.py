@@ -121,14 +121,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     Yields the ``rediss://`` URL of its (all-permissions) default user, which verifies the
     server against the certificate, and the certificate's path.
     """
-    directory = tmp_path_factory.mktemp("tls")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = _certificate(tmp_path_factory.mktemp("tls"))
     port = free_port()
     args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
             "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
@@ -138,6 +131,25 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, P
     server.start(ready=lambda: _answers_over_tls(url))
     yield url, cert
     server.close()
+
+
+@pytest.fixture(scope="session")
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A Redis Cluster speaking only TLS (3 masters, no replicas), its own certificate."""
+    with LocalCluster(replicas=0, tls=_certificate(tmp_path_factory.mktemp("tls-c"))) as cluster:
+        yield cluster
+
+
+def _certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 made by openssl now, and its key."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def _answers_over_tls(url: str) -> bool:

@@ -7,10 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +22,7 @@ from lmqueue.worker_processes import WorkerProcess
 from producer import Experiments
 from scheduler.kinds.regex_constraint import RegexConstraint
 from scheduler.kinds.sample import draw_samples
+from scheduler_processes import SchedulerProcess
 from shared.errors import Forbidden, UnknownExperiment
 from shared.keys import KeySpace
 from shared.lm.trie import TokenCharacterTrie
@@ -33,46 +30,8 @@ from shared.tenants import TenantConfig
 from workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"
-TESTS = Path(__file__).resolve().parent
 KINDS = ("exp_kinds:count", "exp_kinds:slow_model", "exp_kinds:echo")
 TENANTS = ("alice", "bob")
-
-
-class SchedulerProcess:
-    """``python -m scheduler`` as a child process, its log in a file."""
-
-    def __init__(self, url: str, name: str, config: Path, log_dir: Path) -> None:
-        self.name = name
-        self.args = [sys.executable, "-m", "scheduler", "--redis-url", url, "--name", name]
-        self.args += ["--config", str(config)]
-        self.log_path = log_dir / f"{name}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> SchedulerProcess:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.getcwd()])}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        return self
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.terminate()
-        try:
-            return self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 def _tenant_url(url: str, tenant: str) -> str:

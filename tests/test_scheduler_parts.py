@@ -8,19 +8,25 @@ import json
 
 import msgpack
 import pytest
+import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 import regex
 from arq.constants import in_progress_key_prefix
+from redis.crc import key_slot
 
 from lmqueue.experiments_cli import build_params, parse_duration_s, parse_time_s
 from producer.experiments import ExperimentStatus, tenant_of_url, validate_experiment_id
 from scheduler.acl import experiment_acl_rules
 from scheduler.kinds import resolve_kinds
 from scheduler.kinds.regex_constraint import RegexConstraint
+from scheduler.planes import arq_settings
 from scheduler.serialization import pack, unpack
 from scheduler.settings import SchedulerSettings
+from shared.connections import slot_groups
 from shared.errors import InvalidName, SettingsError
 from shared.keys import KeySpace, arq_in_progress
 from shared.lm.trie import TokenCharacterTrie
+from shared.settings import configured_control_url
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +111,12 @@ def test_scheduler_settings_load_a_json_file_and_name_bad_values(tmp_path):
             }
         )
     )
-    settings = SchedulerSettings.load(config, max_jobs=2, lease_s=None)
+    settings = SchedulerSettings.load(config, max_jobs=2, lease_s=None, control_url=None)
     assert settings.tenants == ("default", "alice") and settings.max_jobs == 2
+    assert settings.control_url is None  # the data URL serves both roles (a single instance)
+    assert SchedulerSettings.load(config, control_url="redis://c/0").control_url == "redis://c/0"
+    assert configured_control_url({"LMQ_CONTROL_URL": "redis://c/1"}) == "redis://c/1"
+    assert configured_control_url({"LMQ_REDIS_URL": "redis://d/0"}) is None
     assert settings.url_of("alice") == "redis://alice:pw@h/0"
     assert settings.url_of("default") == settings.redis_url
     assert settings.cron[0].schedule == {"hour": 3, "minute": [0, 30]}
@@ -130,3 +140,37 @@ def test_cli_durations_times_and_params():
     assert parse_time_s("2026-11-24T04:00+01:00") == utc
     args = argparse.Namespace(params=None, data=None, set=["n=4", "prompt=hi there", "t=0.5"])
     assert build_params(args) == {"n": 4, "prompt": "hi there", "t": 0.5}
+
+
+async def test_inboxes_are_one_read_on_a_single_instance_and_one_per_slot_on_a_cluster():
+    inboxes = [KeySpace(tenant=t).experiment_inbox().encode() for t in ("default", "alice", "b")]
+    tagged = [b"x:{t}:a", b"x:{t}:b"]  # one hash tag: one slot
+    plain = aioredis.Redis()
+    cluster = aiocluster.RedisCluster(host="127.0.0.1", port=1)  # never connects here
+    try:
+        assert slot_groups(plain, inboxes + tagged) == [inboxes + tagged]
+        groups = slot_groups(cluster, inboxes + tagged)
+        assert tagged in groups and len(groups) == len({key_slot(k) for k in inboxes}) + 1
+        assert all(len({key_slot(k) for k in group}) == 1 for group in groups)
+        assert slot_groups(cluster, []) == slot_groups(plain, []) == []
+    finally:
+        await plain.aclose()
+        await cluster.aclose()
+
+
+def test_arq_connects_to_a_tls_control_url_with_its_ca_and_hostname_check():
+    url = "rediss://sched:pw@ctl.example:6380/2?ssl_ca_certs=/etc/ca.pem&ssl_check_hostname=true"
+    settings = arq_settings(url)
+    assert (settings.host, settings.port, settings.database, settings.ssl) == (
+        "ctl.example",
+        6380,
+        2,
+        True,
+    )
+    assert (settings.username, settings.ssl_ca_certs, settings.ssl_check_hostname) == (
+        "sched",
+        "/etc/ca.pem",
+        True,
+    )
+    plain = arq_settings("redis://127.0.0.1:6379/0")
+    assert not plain.ssl and plain.ssl_ca_certs is None

@@ -3,6 +3,10 @@
 A real redis-server with the ACL users `lmq tenant` creates. Each refused operation is the exact
 Redis command a misbehaving client would send, with the tenant's own credentials; each allowed
 one is what its client needs, with the same credentials.
+
+The same refusals run on the session Redis Cluster too, where `lmq tenant` writes the users to
+every node: each command goes to the master owning its first key's slot (where a cluster
+client would send it), a keyless one to every master (each node checks its own users).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError, ResponseError
 
+from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
 from lmqueue.tenant_admin import TenantAdmin
 from shared.admission_script import ADMISSION_LUA, ADMISSION_SHA
+from shared.connections import sync_redis
 from shared.keys import WORKER_GROUP, KeySpace
-from shared.tenants import TenantConfig
+from shared.tenants import WORKER_USER, TenantConfig
 
 MODEL = "mock"
 
@@ -274,3 +280,63 @@ def test_the_worker_user_may_serve_every_tenant(tenants: Tenants, alice: Any) ->
         assert alice.get(A.model_info(MODEL)) == b"info"
     finally:
         worker.close()
+
+
+# DEBUG is refused before the ACL check where enable-debug-command is off (the cluster's nodes)
+ON_CLUSTER = [
+    *(pytest.param("alice", c, id=f"alice-{n}") for n, c in REFUSED.items() if n != "debug"),
+    *(pytest.param(WORKER_USER, c, id=f"worker-{n}") for n, c in WORKER_REFUSED.items()),
+]
+
+
+@dataclass
+class ClusterUsers:
+    """The session cluster, an admin connection to one master, the users' passwords."""
+
+    cluster: LocalCluster
+    admin: Any
+    passwords: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def cluster_users(redis_cluster: LocalCluster) -> Iterator[ClusterUsers]:
+    """alice and the workers' user on every node of the session cluster, once per module."""
+    admin = sync_redis(redis_cluster.url)
+    tenant_admin = TenantAdmin(admin, redis_cluster.url)
+    passwords = {"alice": "pw-alice", WORKER_USER: "pw-worker"}
+    tenant_admin.add(TenantConfig("alice", max_inflight=100), password=passwords["alice"])
+    tenant_admin.worker_user(password=passwords[WORKER_USER])
+    node = redis.Redis(host="127.0.0.1", port=redis_cluster.master_ports()[0])
+    yield ClusterUsers(redis_cluster, node, passwords)
+    node.close()
+    tenant_admin.remove("alice")
+    admin.execute_command("ACL", "DELUSER", WORKER_USER, target_nodes=admin.ALL_NODES)
+    admin.close()
+
+
+def _owners(users: ClusterUsers, command: tuple[object, ...]) -> list[int]:
+    """The master owning the command's first key, or every master for a keyless command."""
+    try:
+        keys = users.admin.command_getkeys(*command)  # decoded by redis-py
+    except ResponseError:  # a command without key arguments
+        keys = []
+    if not keys:
+        return users.cluster.master_ports()
+    return [users.cluster.port_of_slot(LocalCluster.slot_of(keys[0]))]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("user", "command"), ON_CLUSTER)
+def test_a_tenant_and_the_worker_user_are_refused_with_noperm_on_a_cluster(
+    cluster_users: ClusterUsers, user: str, command: tuple[object, ...]
+) -> None:
+    for port in _owners(cluster_users, command):
+        client = redis.Redis(
+            host="127.0.0.1", port=port, username=user, password=cluster_users.passwords[user]
+        )
+        try:
+            with pytest.raises(NoPermissionError) as refused:
+                client.execute_command(*command)
+            assert str(refused.value).startswith("this user has no permissions"), refused.value
+        finally:
+            client.close()

@@ -2,7 +2,8 @@
 
 `RespPipe` speaks plain TCP only (`RespPipe.supports` refuses ``rediss://``), so over TLS the
 client reads replies and claim-checks through redis-py: the fallback is tested here, and the
-pipe's own password handshake (AUTH user password) on plain TCP.
+pipe's own password handshake (AUTH user password) on plain TCP. The same client and worker
+run on a TLS-only Redis Cluster too (slow: a cluster of its own).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import redis
 import torch
 from redis.exceptions import AuthenticationError, ResponseError
 
+from lmqueue.local_cluster import LocalCluster
 from lmqueue.tenant_admin import TenantAdmin
 from producer import QueueLM
 from producer.resp_pipe import RespPipe
+from shared.connections import is_cluster, sync_redis
 from shared.keys import KeySpace
 from shared.settings import ClientSettings, RedisSettings
 from shared.tenants import TenantConfig
@@ -38,10 +41,26 @@ def tls_urls(tls_redis: tuple[str, Path]) -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
+def tls_cluster_urls(tls_cluster: LocalCluster) -> Iterator[tuple[str, str]]:
+    """alice and the workers' user on every node of the TLS-only cluster."""
+    tls_cluster.flush()
+    admin = sync_redis(tls_cluster.url)
+    assert is_cluster(admin)
+    tenant_admin = TenantAdmin(admin, tls_cluster.url)
+    yield tenant_admin.add(TenantConfig("alice")), tenant_admin.worker_user()
+    admin.execute_command("ACL", "DELUSER", "alice", "lmq-worker", target_nodes=admin.ALL_NODES)
+    admin.close()
+
+
+@pytest.fixture(
+    params=["single", pytest.param("cluster", marks=[pytest.mark.slow, pytest.mark.cluster])]
+)
 async def tls_lm(
-    tls_urls: tuple[str, str], smol_tokenizer: object
+    request: pytest.FixtureRequest, smol_tokenizer: object
 ) -> AsyncIterator[tuple[QueueLM, MockAsyncLM]]:
-    alice_url, worker_url = tls_urls
+    """A client as alice and a worker as lmq-worker over TLS: one instance, then a cluster."""
+    fixture = "tls_urls" if request.param == "single" else "tls_cluster_urls"
+    alice_url, worker_url = request.getfixturevalue(fixture)
     backend = MockAsyncLM(smol_tokenizer)
     worker_redis = RedisSettings(url=worker_url, tenant="alice")
     served = ThreadedWorker(backend, worker_url, redis=worker_redis).start()
@@ -70,10 +89,11 @@ def test_a_plain_connection_to_the_tls_port_fails(tls_redis: tuple[str, Path]) -
 
 
 async def test_over_tls_with_passwords_the_client_falls_back_to_redis_py_and_works(
-    tls_lm: tuple[QueueLM, MockAsyncLM],
+    tls_lm: tuple[QueueLM, MockAsyncLM], request: pytest.FixtureRequest
 ) -> None:
     lm, backend = tls_lm
     assert lm.channel.reader.pipe is None and lm.channel.claims.pipe is None  # redis-py path
+    assert is_cluster(lm.channel.redis) == (request.node.callspec.params["tls_lm"] == "cluster")
     prompts = [[1, 2, 3], [9, 8]]
     rows = await lm.batch_next_token_logprobs(prompts)
     for row, prompt in zip(rows, prompts, strict=True):

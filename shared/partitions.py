@@ -65,9 +65,10 @@ class LineageMemory:
         return len(self._partitions)
 
     def ancestor(self, token_bytes: bytes) -> int | None:
-        """The partition of the longest remembered proper prefix, up to MAX_STEP_TOKENS shorter."""
+        """The partition of the prompt itself if sent before (a resubmission), else of its
+        longest remembered prefix up to MAX_STEP_TOKENS shorter."""
         length = len(token_bytes) // _TOKEN_BYTES
-        for step in range(1, min(MAX_STEP_TOKENS, length - 1) + 1):
+        for step in range(0, min(MAX_STEP_TOKENS, length - 1) + 1):
             key = _digest(token_bytes[: (length - step) * _TOKEN_BYTES])
             partition = self._partitions.get(key)
             if partition is not None:

@@ -17,7 +17,8 @@ runs 8 independent SMC programs at once (`workload.Workload`, 16 particles each,
 is **prompt tokens computed per call**: the positions the workers ran through the model
 (``lmq_tokens_total{kind="computed"}`` on their metrics endpoints, read before and after) over
 the calls the programs made. Target: ``on`` within 1.25x of ``single``. Secondary: calls/s and
-the workers' CPU seconds per call.
+the workers' CPU seconds per call. Each worker gets the machine's cores divided by the
+workers (``OMP_NUM_THREADS``): two workers with two torch threads each on two cores spin.
 
 Why N = 16 by default: a partition is the unit a worker owns, so N bounds how evenly N
 partitions split over the live workers (16 over 2 workers: 8 each, and still 5-6 each over 3),
@@ -31,6 +32,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -66,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--partitions", type=int, default=16, help="N of the 'on' configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=900, help="a call's deadline")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--docs-plot", default="docs/affinity.png", help="'' for nowhere")
 
@@ -93,9 +96,14 @@ def _configuration(
         spec = dict(model=args.model, backend="hf", redis_url=server.url, tag=f"affinity-{name}")
         workers = stack.enter_context(worker_pool(0, **spec))
         ports = []
+        threads = max(1, (os.cpu_count() or 1) // count)  # the cores shared, not oversubscribed
         for _ in range(count):  # one metrics port each
             ports.append(free_port())
-            env = {"LMQ_PARTITIONS": str(partitions), "LMQ_METRICS_PORT": str(ports[-1])}
+            env = {
+                "LMQ_PARTITIONS": str(partitions),
+                "LMQ_METRICS_PORT": str(ports[-1]),
+                "OMP_NUM_THREADS": str(threads),
+            }
             add_workers(workers, 1, env=env, **spec)
         asyncio.run(wait_for_workers(server.url, args.model, workers))
         before = [scrape_tokens(port) for port in ports]
@@ -124,7 +132,7 @@ async def _programs(
     args: argparse.Namespace, redis_url: str, workers: Sequence[Any]
 ) -> dict[str, Any]:
     """Run every program at once through one client; their calls and wall time."""
-    settings = ClientSettings.resolve(None, redis_url)
+    settings = ClientSettings.resolve(None, redis_url, timeout_s=args.timeout_s)
     lm = await connect_client(args.model, settings, workers)
     try:
         byte_vocab = [bytes(t) for t in lm.byte_vocab]

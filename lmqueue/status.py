@@ -23,7 +23,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared.keys import WORKER_GROUP, KeySpace
+from shared.partitions import stream_partitions
 from shared.redis_errors import redis_boundary
+from shared.registry import ModelInfo
 from shared.settings import RedisSettings
 from shared.worker_stats import read_worker_stats
 
@@ -67,11 +69,14 @@ async def collect_status(
     tenant_keys = {t: dataclasses.replace(keys, tenant=t) for t in tenants}
     status: dict[str, Any] = {"time_ms": now_ms, "models": {}}
     for model in sorted(models):
+        raw_info = await redis.get(keys.model_info(model))
+        partitions = ModelInfo.from_bytes(raw_info).partitions if raw_info else 1
         streams = {
-            tenant: await _stream_status(redis, tenant_space, model, now_ms)
+            tenant: await _stream_status(redis, tenant_space, model, partitions, now_ms)
             for tenant, tenant_space in tenant_keys.items()
         }
         status["models"][model] = {
+            "partitions": partitions,
             "backlog": sum(s["backlog"] for s in streams.values()),
             "tenants": streams,
             "workers": await _workers(redis, keys, model, now_ms),
@@ -81,25 +86,32 @@ async def collect_status(
     return status
 
 
-async def _stream_status(redis: Any, keys: KeySpace, model: str, now_ms: int) -> dict[str, Any]:
-    stream = keys.requests(model)
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(stream)
-        pipe.xrange(stream, count=1)
-        pipe.xlen(keys.dead_letters(model))
-        backlog, first, dead = await pipe.execute()
-    try:
-        pending = int((await redis.xpending(stream, WORKER_GROUP))["pending"])
-    except ResponseError:  # no stream or no group yet
-        pending = 0
-    oldest_age_s = None
-    if first:
-        enqueued_ms = int(_text(first[0][0]).partition("-")[0])
-        oldest_age_s = max(now_ms - enqueued_ms, 0) / 1000
+async def _stream_status(
+    redis: Any, keys: KeySpace, model: str, partitions: int, now_ms: int
+) -> dict[str, Any]:
+    """One tenant's streams of `model`, every partition's summed (the oldest: the oldest's)."""
+    backlog = pending = 0
+    oldest_ms: int | None = None
+    for partition in stream_partitions(partitions):
+        stream = keys.requests(model, partition)
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(stream)
+            pipe.xrange(stream, count=1)
+            length, first = await pipe.execute()
+        backlog += int(length)
+        try:
+            pending += int((await redis.xpending(stream, WORKER_GROUP))["pending"])
+        except ResponseError:  # no stream or no group yet
+            pass
+        if first:
+            enqueued_ms = int(_text(first[0][0]).partition("-")[0])
+            oldest_ms = enqueued_ms if oldest_ms is None else min(oldest_ms, enqueued_ms)
+    dead = await redis.xlen(keys.dead_letters(model))
+    oldest_age_s = None if oldest_ms is None else max(now_ms - oldest_ms, 0) / 1000
     return {
-        "backlog": int(backlog),
+        "backlog": backlog,
         "pending": pending,
-        "undelivered": max(int(backlog) - pending, 0),
+        "undelivered": max(backlog - pending, 0),
         "oldest_age_s": oldest_age_s,
         "dead_letters": int(dead),
     }

@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from shared.admission_script import ADMISSION_LUA
 from shared.errors import SettingsError
 from shared.keys import KeySpace
+from shared.registry import ModelInfo
 from shared.tenants import (
     WORKER_USER,
     TenantConfig,
@@ -124,13 +125,15 @@ class TenantAdmin:
     def remove(self, name: str) -> None:
         """Delete the tenant's user (its connections close), record and quota hashes.
 
-        Its request and reply streams stay: requests already accepted are still answered.
+        Its request and reply streams stay. Within a tenant refresh, workers stop reading its
+        request stream: requests they had read are answered, the rest stay in the stream
+        (answered if the tenant is added again).
         """
         self._not_myself(validate_tenant(name))
         self._acl("DELUSER", name)
         self.redis.hdel(self.keys.tenants(), name)
         tenant_keys = KeySpace(self.prefix, name)
-        quotas = [tenant_keys.quota(model) for model in self._models()]
+        quotas = [key for model in self._models() for key in self._quota_keys(tenant_keys, model)]
         if quotas:
             self.redis.delete(*quotas)
         self._save_acl()
@@ -173,9 +176,16 @@ class TenantAdmin:
         tenant_keys = KeySpace(self.prefix, config.name)
         fields = quota_fields(config)
         for model in self._models():
-            self.redis.hset(tenant_keys.quota(model), mapping=fields)
+            for key in self._quota_keys(tenant_keys, model):
+                self.redis.hset(key, mapping=fields)
         self.redis.script_load(ADMISSION_LUA)
         self._save_acl()
+
+    def _quota_keys(self, tenant_keys: KeySpace, model: str) -> list[str]:
+        """The tenant's quota hash of `model` and its partitions' copies, as published."""
+        raw = self.redis.get(self.keys.model_info(model))
+        partitions = ModelInfo.from_bytes(raw).partitions if raw else 1
+        return tenant_keys.quota_copies(model, partitions)
 
     def _models(self) -> list[str]:
         return sorted(_text(m) for m in self.redis.smembers(self.keys.models()))

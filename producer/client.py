@@ -245,8 +245,7 @@ class QueueLM(SyncFacade, AsyncLM):
                 "model %s changed across the restart (revision %s -> %s); results may differ",
                 self.model, self.info.revision, info.revision,
             )  # fmt: skip
-        if not self.settings.max_backlog:
-            self.channel.submitter.admission.max_backlog = info.max_backlog
+        self.channel.adopt(info)
         self.info = info
 
 

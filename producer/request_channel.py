@@ -26,6 +26,7 @@ import numpy as np
 
 from shared.connections import bounded, is_cluster
 from shared.errors import Cancelled, DeadlineExceeded
+from shared.partitions import Partitioning, stream_partitions
 from shared.registry import ModelInfo
 from shared.settings import ClientSettings
 from shared.shared_cache import SharedCache
@@ -101,11 +102,11 @@ class RequestChannel:
         self.claims = ClaimResolver(
             cache_redis, stall_timeout_s, pipe=claims_pipe, vector_size=info.vector_size
         )
-        bound = settings.max_backlog or info.max_backlog
-        admission = Admission(
-            redis, keys.requests(info.name), bound, keys.quota(info.name), keys.rate(info.name)
-        )
-        self.submitter = Submitter(self.inflight, shared, admission, stall_timeout_s)
+        self.keys = keys
+        self.submitter = Submitter(
+            self.inflight, shared, self._admissions(info), stall_timeout_s,
+            Partitioning(info.partitions, info.partition_block_tokens),
+        )  # fmt: skip
         self.reader = ReplyReader(
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,
             read_count=settings.read_count, run_id=run_id, stall_timeout_s=stall_timeout_s,
@@ -113,6 +114,23 @@ class RequestChannel:
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False
+
+    def _admissions(self, info: ModelInfo) -> list[Admission]:
+        """One admission per request stream of the model (per partition, if it has several)."""
+        bound, keys, name = self.settings.max_backlog or info.max_backlog, self.keys, info.name
+        return [
+            Admission(
+                self.redis, keys.requests(name, p), bound, keys.quota(name, p), keys.rate(name, p)
+            )  # fmt: skip
+            for p in stream_partitions(info.partitions)
+        ]
+
+    def adopt(self, info: ModelInfo) -> None:
+        """Send by the model's info as re-published (a new backlog bound or partitioning)."""
+        self.submitter.admissions = self._admissions(info)
+        chosen = self.submitter.partitioning
+        if (chosen.count, chosen.block_tokens) != (info.partitions, info.partition_block_tokens):
+            self.submitter.partitioning = Partitioning(info.partitions, info.partition_block_tokens)
 
     def start(self) -> None:
         """Start the submitting and reply-reading tasks on the running loop."""

@@ -1,9 +1,12 @@
 """`Submitter`: sends the client's new requests in micro-batches.
 
 Requests made in the same event-loop pass are sent together: one MGET against the shared
-cache answers the hits without any worker, then one pipeline XADDs the misses to the model's
-request stream (through `Admission`, which refuses batches past the backlog bound, and
-requests past the tenant's quotas with `QuotaExceeded`). While
+cache answers the hits without any worker, then the misses are added to the model's request
+stream (through `Admission`, which refuses batches past the backlog bound, and requests past
+the tenant's quotas with `QuotaExceeded`). A model split into partitions has one stream and
+one `Admission` each; a request goes to the partition its prompt chooses
+(`shared.partitions.Partitioning`), and the partitions of one batch are sent concurrently.
+While
 Redis is unreachable, or a send gets no answer within the stall timeout, the batch is kept
 and retried with backoff until each request's own deadline settles it (a retried send may
 enqueue a request twice; it is answered twice and settled once). A refusal by Redis itself
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
 
 from shared.connections import bounded
 from shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
+from shared.partitions import Partitioning
 from shared.redis_errors import REDIS_DOWN, translate
 from shared.shared_cache import SharedCache
 from shared.wire import Reply, encode_request
@@ -40,13 +44,17 @@ class Submitter:
         self,
         inflight: InflightTable,
         cache: SharedCache | None,
-        admission: Admission,
+        admissions: Admission | Sequence[Admission],
         stall_timeout_s: float = 10.0,
+        partitioning: Partitioning | None = None,
     ) -> None:
         self.inflight = inflight
         self.stall_timeout_s = stall_timeout_s
         self.cache = cache
-        self.admission = admission
+        self.admissions = [admissions] if isinstance(admissions, Admission) else list(admissions)
+        self.partitioning = partitioning or Partitioning(len(self.admissions))
+        if self.partitioning.count != len(self.admissions):
+            raise ValueError("one admission per partition is needed")
         self._queue: list[Pending] = []
         self._wake = asyncio.Event()
         self.sent = 0
@@ -110,10 +118,28 @@ class Submitter:
         misses = await self._answer_from_cache(batch)
         if not misses:
             return
+        parts: dict[int, list[Pending]] = {}
+        for pending in misses:
+            partition = self.partitioning.of(pending.request.token_bytes)
+            parts.setdefault(partition, []).append(pending)
+        if len(parts) == 1:
+            ((partition, part),) = parts.items()
+            await self._enqueue(self.admissions[partition], part)
+            return
+        results = await asyncio.gather(
+            *(self._enqueue(self.admissions[p], part) for p, part in parts.items()),
+            return_exceptions=True,
+        )
+        for result in results:  # e.g. a lost connection: the whole batch is sent again
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _enqueue(self, admission: Admission, misses: list[Pending]) -> None:
+        """Add `misses` to one stream; fail those a bound or quota refused."""
         envelopes = [encode_request(p.request)["m"] for p in misses]
         tokens = [len(p.request.token_bytes) // 4 for p in misses]
         try:
-            await self.admission.enqueue(envelopes, tokens)
+            await admission.enqueue(envelopes, tokens)
         except Busy as exc:  # QuotaExceeded too: the first `admitted` were enqueued
             admitted = int(exc.data.get("admitted", 0)) if isinstance(exc, QuotaExceeded) else 0
             for pending in misses[admitted:]:

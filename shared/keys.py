@@ -16,6 +16,9 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:<tenant>:model:{<model>}:requests         request stream (consumer group "workers")
     lmq:<tenant>:model:{<model>}:quota            hash of the tenant's limits (workers mirror)
     lmq:<tenant>:model:{<model>}:rate             token-rate bucket (the admission script)
+    lmq:<tenant>:model:{<model>:<p>}:requests     the same three for partition p of a model
+    lmq:<tenant>:model:{<model>:<p>}:quota        published with N > 1 partitions
+    lmq:<tenant>:model:{<model>:<p>}:rate         (shared/partitions.py); p = 0 .. N-1
     lmq:<tenant>:model:{<model>}:dead             dead-letter stream (workers only)
     lmq:<tenant>:client:{<client>}:replies        one reply stream per client (expires)
     lmq:<ns>:cache:<model>:<rev>:<kind>:<digest>  one cached result vector; ns is the tenant
@@ -33,7 +36,11 @@ tag), and refuses multi-key commands, transactions and Lua scripts whose keys sp
 
 - ``{<model>}`` in every tenant's request stream of a model and its quota, rate and
   dead-letter keys: one XREADGROUP reads all tenants' streams of the model, and the admission
-  script touches one slot.
+  script touches one slot. A model split into partitions has ``{<model>:<p>}`` instead on
+  each partition's request stream, quota copy and rate bucket: one XREADGROUP reads every
+  tenant's stream of a partition, admission stays in one slot, and partitions (the unit of
+  worker affinity) spread over the cluster's masters. Dead letters stay one stream per
+  tenant and model (written by a plain pipeline, never with the stream).
 - ``{<model>}`` in the registry keys of a model (info, tokenizer, vocab, workers): a worker
   publishes info, tokenizer and vocabulary in one Lua script (`shared.registry`), so a client
   never reads a new revision's info beside an old tokenizer. ``lmq:models`` is written after
@@ -147,9 +154,9 @@ class KeySpace:
         return f"{self.prefix}:tenants"
 
     # -- per tenant ----------------------------------------------------------------------------
-    def requests(self, model: str) -> str:
-        """The tenant's request stream of the model."""
-        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:requests"
+    def requests(self, model: str, partition: int | None = None) -> str:
+        """The tenant's request stream of the model (of one partition, if it has several)."""
+        return f"{self.prefix}:{self.tenant}:model:{_stream_tag(model, partition)}:requests"
 
     def dead_letters(self, model: str) -> str:
         """The tenant's dead-letter stream of the model."""
@@ -165,13 +172,21 @@ class KeySpace:
         namespace = self.cache_namespace or self.tenant
         return f"{self.prefix}:{namespace}:cache:{model}:{revision}:{kind}:{digest}"
 
-    def quota(self, model: str) -> str:
-        """The tenant's limits for the model (hash), read by its admission script."""
-        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:quota"
+    def quota(self, model: str, partition: int | None = None) -> str:
+        """The tenant's limits for the model (hash), read by its admission script.
 
-    def rate(self, model: str) -> str:
-        """The tenant's token-rate bucket for the model, written by its admission script."""
-        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:rate"
+        Each partition's admission reads a copy in its own slot (workers mirror them all).
+        """
+        return f"{self.prefix}:{self.tenant}:model:{_stream_tag(model, partition)}:quota"
+
+    def quota_copies(self, model: str, partitions: int) -> list[str]:
+        """The tenant's quota hash of the model and, if it has partitions, each one's copy."""
+        copies = [self.quota(model, p) for p in range(partitions)] if partitions > 1 else []
+        return [self.quota(model), *copies]
+
+    def rate(self, model: str, partition: int | None = None) -> str:
+        """The tenant's token-rate bucket for the model (per partition), for admission."""
+        return f"{self.prefix}:{self.tenant}:model:{_stream_tag(model, partition)}:rate"
 
     # -- experiments (the scheduler) ---------------------------------------------------------
     def experiment_inbox(self) -> str:
@@ -262,6 +277,12 @@ class KeyPatterns:
     def cache(self, namespace: str | None = None) -> str:
         """Cached vectors of one cache namespace (default: the tenant's own; ``*``: all)."""
         return f"{self.prefix}:{namespace or self.tenant}:cache:*"
+
+
+def _stream_tag(model: str, partition: int | None) -> str:
+    """The hash tag of a request stream and its admission keys: ``{<model>}`` for a model
+    with one stream, ``{<model>:<partition>}`` for each of several (names hold no colon)."""
+    return f"{{{model}}}" if partition is None else f"{{{model}:{partition}}}"
 
 
 #: arq's key of a running job (fixed by arq, whatever the queue): ``arq:in-progress:<job id>``.

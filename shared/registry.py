@@ -22,6 +22,7 @@ import msgpack
 from .errors import MalformedMessage, UnknownModel
 from .keys import KeySpace
 from .lm.light_tokenizer import LightTokenizer
+from .partitions import DEFAULT_BLOCK_TOKENS
 from .wire import WIRE_VERSION
 
 __all__ = [
@@ -47,6 +48,9 @@ class ModelInfo:
     eos_token_ids: list[int] = field(default_factory=list)
     #: Admission bound on queued requests that clients enforce (0: none).
     max_backlog: int = 0
+    #: Request stream partitions (1: one stream) and the leading tokens that choose one.
+    partitions: int = 1
+    partition_block_tokens: int = DEFAULT_BLOCK_TOKENS
     wire_version: int = WIRE_VERSION
 
     def to_bytes(self) -> bytes:
@@ -61,8 +65,11 @@ class ModelInfo:
             info = cls(**values)
         except Exception as exc:
             raise MalformedMessage(f"model info does not decode: {exc}") from None
-        if not isinstance(info.vocab_size, int) or not isinstance(info.vector_size, int):
+        sizes = (info.vocab_size, info.vector_size, info.partitions, info.partition_block_tokens)
+        if not all(isinstance(size, int) for size in sizes):
             raise MalformedMessage("model info sizes are not integers")
+        if info.partitions < 1 or info.partition_block_tokens < 1:
+            raise MalformedMessage("model info partitions are not positive")
         return info
 
 

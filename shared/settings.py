@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
+from .partitions import DEFAULT_BLOCK_TOKENS
 
 __all__ = [
     "SettingsError",
@@ -162,6 +163,13 @@ class WorkerSettings:
     max_request_bytes: int = 1 << 20
     #: Published to clients: new requests fail with Busy past this many queued entries (0: none).
     max_backlog: int = 50_000
+    #: Request stream partitions (prefix affinity, shared/partitions.py); the same on every
+    #: worker of a model. 1: one stream that any worker takes from.
+    partitions: int = 1
+    #: Leading prompt tokens whose hash chooses a partition (published to clients).
+    partition_block_tokens: int = DEFAULT_BLOCK_TOKENS
+    #: How long a worker's own partitions must stay empty before it takes from others'.
+    steal_after_ms: int = 100
     #: glibc serves blocks from this size by mmap, so freed ones leave the process (0: glibc's
     #: own moving threshold: faster on CPU, but RSS creeps past the memory bounds).
     malloc_mmap_threshold: int = 128 << 10
@@ -181,7 +189,8 @@ class WorkerSettings:
             validate_name("worker", self.name)
         except InvalidName as exc:
             raise SettingsError(exc.message) from None
-        _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s")
+        _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s",
+                          "partitions", "partition_block_tokens")  # fmt: skip
         _require_non_negative(
             self,
             "max_wait_ms",
@@ -191,6 +200,7 @@ class WorkerSettings:
             "dead_consumer_idle_ms",
             "max_dead_letters",
             "malloc_mmap_threshold",
+            "steal_after_ms",
         )
         if not 0 <= self.metrics_port <= 65535:
             raise SettingsError(f"metrics_port={self.metrics_port!r}: expected 0 to 65535")

@@ -31,9 +31,8 @@ class ThreadedWorker:
         self.backend = backend
         self.masses = masses
         redis = settings.pop("redis", None) or RedisSettings(url=redis_url)
-        self.settings = WorkerSettings(
-            model=model, backend="mock", redis=redis, name="t-worker", **settings,
-        )  # fmt: skip
+        settings.setdefault("name", "t-worker")
+        self.settings = WorkerSettings(model=model, backend="mock", redis=redis, **settings)
         self.worker: Worker | None = None
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

@@ -28,7 +28,8 @@ from shared.settings import RedisSettings, WorkerSettings
 from .backend_loader import load_backend
 from .health import HealthServer, HealthState
 from .metrics import WorkerMetrics
-from .worker import Worker, health_state
+from .upkeep import health_state
+from .worker import Worker
 
 __all__ = ["main", "build_parser", "run_worker"]
 
@@ -54,6 +55,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--metrics-port", type=int,
         help="serve /metrics, /healthz and /readyz on this port (LMQ_METRICS_PORT; 0: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--partitions", type=int,
+        help="request stream partitions for prefix affinity, the same on every worker of the "
+        "model (LMQ_PARTITIONS; 1: one stream)",
+    )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of failures")
     return parser
 
@@ -69,7 +75,7 @@ def settings_from_args(
         redis = replace(redis, cache_url=args.cache_url)
     overrides: dict[str, Any] = {"redis": redis}
     names = ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level",
-             "metrics_port")  # fmt: skip
+             "metrics_port", "partitions")  # fmt: skip
     for name in names:
         value = getattr(args, name)
         if value is not None:

@@ -41,6 +41,7 @@ from shared.lm.validation import check_prompt
 from shared.shared_cache import SharedCache
 from shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
+from .late_binding import ForwardPart
 from .metrics import WorkerMetrics
 from .outcome import Outcome, Payload
 from .request_stream import Entry
@@ -150,8 +151,14 @@ class BatchProcessor:
         #: Client ids already validated (a regex per entry otherwise); cleared when full.
         self._valid_clients: set[str] = set()
 
-    async def process(self, entries: Sequence[Entry]) -> Outcome:
-        """Answer every entry; never raises for a request's fault."""
+    async def process(
+        self, entries: Sequence[Entry], forward: ForwardPart | None = None
+    ) -> Outcome:
+        """Answer every entry; never raises for a request's fault.
+
+        `forward`: the entries are one part of a batch, whose parts call the backend together
+        and report when it is done with them (see `late_binding`).
+        """
         outcome = Outcome(acks=[entry.entry_id for entry in entries])
         now_ms = time.time() * 1000
         jobs = [
@@ -160,8 +167,12 @@ class BatchProcessor:
         if self.metrics is not None:
             tokens = sum(len(job.request.token_bytes) for job in jobs) // 4  # int32 ids
             self.metrics.observe_batch(len(entries), tokens)
-        if jobs:
-            await self._answer(jobs, outcome)
+        try:
+            if jobs:
+                await self._answer(jobs, outcome, forward)
+        finally:
+            if forward is not None:
+                forward.computed()
         return outcome
 
     # -- 1. admission ------------------------------------------------------------------------------
@@ -207,7 +218,9 @@ class BatchProcessor:
             raise BadRequest("this worker serves no trie mass requests")
 
     # -- 2-4. answering ----------------------------------------------------------------------------
-    async def _answer(self, jobs: list[Job], outcome: Outcome) -> None:
+    async def _answer(
+        self, jobs: list[Job], outcome: Outcome, forward: ForwardPart | None = None
+    ) -> None:
         wanted: dict[bytes, set[str]] = {}
         for job in jobs:
             wanted.setdefault(job.request.token_bytes, set()).add(_vector_dtype(job.request))
@@ -218,7 +231,7 @@ class BatchProcessor:
             if any((prompt, dtype) not in payloads for dtype in dtypes)
         )
         started = time.perf_counter()
-        computed = await self._compute(missing)
+        computed = await self._compute(missing, forward)
         if missing and self.metrics is not None:
             self.metrics.observe_forward(time.perf_counter() - started)
         outcome.computed_prompts += len(missing)
@@ -290,10 +303,24 @@ class BatchProcessor:
             request.dtype, cached,
         )  # fmt: skip
 
-    async def _compute(self, prompts: list[bytes]) -> dict[bytes, Any]:
-        """Log-probabilities (tensor) or the final error of each distinct prompt."""
+    async def _compute(
+        self, prompts: list[bytes], forward: ForwardPart | None = None
+    ) -> dict[bytes, Any]:
+        """Log-probabilities (tensor) or the final error of each distinct prompt.
+
+        With `forward`, the call waits for the batch's other parts, and reports when done.
+        """
         if not prompts:
             return {}
+        if forward is not None:
+            await forward.ready()
+        try:
+            return await self._compute_now(prompts)
+        finally:
+            if forward is not None:
+                forward.computed()
+
+    async def _compute_now(self, prompts: list[bytes]) -> dict[bytes, Any]:
         async with self.gate.shared():
             results = await self._run(prompts)
         failures = [p for p in prompts if _is_forward_failure(results[p])]

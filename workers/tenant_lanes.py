@@ -9,8 +9,11 @@ tenant B's keys; cached vectors are read and written in the lane's cache namespa
 Tenants come from the operator's ``lmq:tenants`` hash plus the worker's own settings tenant
 (``default``); `refresh` picks up new ones while the worker runs (every few seconds), mirrors
 each tenant's limits into its ``:quota`` hash of this model, and loads the admission script,
-which tenants may run but not load. All request streams of a model share the ``{<model>}``
-hash slot, so one XREADGROUP reads them all (`read`).
+which tenants may run but not load. A tenant gone from the hash (``lmq tenant remove``) loses
+its lane: its stream is read no more, entries not yet read stay in it (answered if the tenant
+comes back), and entries already read are still answered, by the lane each carries with it.
+All request streams of a model share the ``{<model>}`` hash slot, so one XREADGROUP reads them
+all (`read`).
 
 A tenant's ``max_inflight`` binds clients through the admission script, which a client could
 skip by writing its stream directly; `over_cap` is the authoritative check: while a tenant's
@@ -28,9 +31,11 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from shared.admission_script import ADMISSION_LUA
+from shared.connections import execute_pipeline
 from shared.errors import InvalidName, MalformedMessage, QuotaExceeded
-from shared.keys import WORKER_GROUP, KeySpace, validate_client_id
+from shared.keys import KeySpace, validate_client_id
 from shared.lm.interface import AsyncLM
+from shared.partitions import stream_partitions
 from shared.registry import ModelInfo
 from shared.settings import WorkerSettings
 from shared.shared_cache import SharedCache
@@ -40,6 +45,7 @@ from shared.wire import decode_request
 from .janitor import Janitor
 from .metrics import WorkerMetrics
 from .outcome import Outcome
+from .partition_reader import PartitionReader
 from .processor import BatchProcessor, ForwardGate, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
@@ -60,6 +66,8 @@ class Lane:
     writer: ReplyWriter
     janitor: Janitor
     config: TenantConfig | None = None
+    #: The partition of the model's streams this lane reads (None: the model has one stream).
+    partition: int | None = None
 
     @property
     def weight(self) -> float:
@@ -95,32 +103,43 @@ class TenantLanes:
         self.keys = settings.redis.keyspace()
         #: One gate for all lanes: a batch isolating a failure has the backend to itself.
         self.gate = ForwardGate()
-        self._lanes: dict[str, Lane] = {}
+        self.partitions = stream_partitions(info.partitions)
+        self.reader = PartitionReader(redis, settings, info.partitions)
+        self._lanes: dict[str, list[Lane]] = {}
         self._by_stream: dict[str, Lane] = {}
-        self.default = self.lane(self.keys.tenant)
+        self.default = self.of_tenant(self.keys.tenant)[0]
 
     def __iter__(self) -> Iterator[Lane]:
-        return iter(list(self._lanes.values()))
+        return iter([lane for lanes in list(self._lanes.values()) for lane in lanes])
 
     def __len__(self) -> int:
-        return len(self._lanes)
+        return sum(len(lanes) for lanes in self._lanes.values())
 
-    def lane(self, tenant: str, config: TenantConfig | None = None) -> Lane:
-        """The tenant's lane, made on first use; a new `config` replaces the old one."""
-        lane = self._lanes.get(tenant)
+    def tenants(self) -> list[str]:
+        """The tenants served."""
+        return list(self._lanes)
+
+    def of_tenant(self, tenant: str, config: TenantConfig | None = None) -> list[Lane]:
+        """The tenant's lanes (one per partition), made on first use; a new `config` replaces
+        the old one."""
+        lanes = self._lanes.get(tenant)
         namespace = config.cache_namespace if config and config.shares_cache else ""
-        if lane is None or lane.keys.cache_namespace != namespace:
-            lane = self._make(tenant, namespace)
-            self._lanes[tenant] = lane
-            self._by_stream[lane.stream.stream] = lane
+        if lanes is None or lanes[0].keys.cache_namespace != namespace:
+            lanes = [self._make(tenant, namespace, partition) for partition in self.partitions]
+            self._register(tenant, lanes)
         if config is not None:
-            lane.config = config
-        return lane
+            for lane in lanes:
+                lane.config = config
+        return lanes
 
-    def _make(self, tenant: str, namespace: str) -> Lane:
+    def _register(self, tenant: str, lanes: list[Lane]) -> None:
+        self._lanes[tenant] = lanes
+        self._by_stream.update((lane.stream.stream, lane) for lane in lanes)
+
+    def _make(self, tenant: str, namespace: str, partition: int | None) -> Lane:
         settings, info = self.settings, self.info
         keys = self.keys.for_tenant(tenant, namespace)
-        stream = RequestStream(self.redis, keys.requests(info.name), settings.name)
+        stream = RequestStream(self.redis, keys.requests(info.name, partition), settings.name)
         cache = None
         if settings.cache_writes:
             cache = SharedCache(
@@ -133,7 +152,8 @@ class TenantLanes:
         )  # fmt: skip
         processor.gate = self.gate
         writer = ReplyWriter(self.redis, stream, keys, settings, cache, self.metrics)
-        return Lane(tenant, keys, stream, processor, writer, Janitor(stream, keys, settings))
+        janitor = Janitor(stream, keys, settings)
+        return Lane(tenant, keys, stream, processor, writer, janitor, partition=partition)
 
     def by_stream(self, stream: str) -> Lane | None:
         """The lane whose request stream is `stream`."""
@@ -141,8 +161,14 @@ class TenantLanes:
 
     # -- the operator's tenants ------------------------------------------------------------------
     async def refresh(self) -> list[str]:
-        """Read the tenants, mirror their quotas, create missing groups; returns new tenants."""
+        """Read the tenants, mirror their quotas, create missing groups, see which partitions
+        this worker owns now; returns new tenants.
+
+        A tenant no longer listed loses its lanes (their streams' mapping stays until the next
+        refresh, for a read already under way).
+        """
         records = await self.redis.hgetall(self.keys.tenants())
+        self._by_stream = {lane.stream.stream: lane for lane in self}
         new = []
         for raw_name, raw in records.items():
             name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
@@ -151,16 +177,34 @@ class TenantLanes:
             except ValueError as exc:
                 logger.warning("ignoring tenant %r: %s", name, exc)
                 continue
-            if name not in self._lanes:
+            if name not in self._lanes:  # groups first: the read loop reads what is listed
                 new.append(name)
-            lane = self.lane(name, config)
-            if new and new[-1] == name:
-                await lane.stream.ensure_group()
-            await self.redis.hset(lane.keys.quota(self.info.name), mapping=quota_fields(config))
+                namespace = config.cache_namespace if config.shares_cache else ""
+                made = [self._make(name, namespace, p) for p in self.partitions]
+                for lane in made:
+                    await lane.stream.ensure_group()
+                self._register(name, made)
+            lanes = self.of_tenant(name, config)
+            await self._mirror_quota(lanes[0].keys, config)
         for name in new:
             logger.info("serving tenant %s", name)
+        listed = {name.decode() if isinstance(name, bytes) else str(name) for name in records}
+        for name in [name for name in self._lanes if name not in listed]:
+            if name != self.default.tenant:
+                del self._lanes[name]
+                logger.info("tenant %s removed: no longer reading its stream", name)
         await self.redis.script_load(ADMISSION_LUA)
+        await self.reader.refresh_owners()
         return new
+
+    async def _mirror_quota(self, keys: KeySpace, config: TenantConfig) -> None:
+        """Copy the tenant's limits into its quota hash, and each partition's copy (the
+        admission script of a partition reads the copy in its own slot)."""
+        fields = quota_fields(config)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in keys.quota_copies(self.info.name, self.info.partitions):
+                pipe.hset(name, mapping=fields)
+            await execute_pipeline(pipe)
 
     async def ensure_groups(self) -> None:
         """Create every lane's stream and group if missing (first start, after a restart)."""
@@ -169,45 +213,41 @@ class TenantLanes:
 
     # -- reading -----------------------------------------------------------------------------------
     async def read(
-        self, lanes: Sequence[Lane], count: int, block_ms: int | None
+        self, lanes: Sequence[Lane], count: int, block_ms: int | None, idle: bool = True
     ) -> list[tuple[Lane, Entry]]:
-        """Up to `count` new entries from each of `lanes`, in one XREADGROUP."""
-        if not lanes:
-            return []
-        streams = {lane.stream.stream: ">" for lane in lanes}
+        """Up to `count` new entries from each of `lanes`: the owned partitions' first, others'
+        only when those stayed empty while the worker was `idle` (`PartitionReader`); one
+        XREADGROUP per hash slot."""
         try:
-            reply = await self.redis.xreadgroup(
-                WORKER_GROUP, self.settings.name, streams, count=count, block=block_ms
-            )
+            return await self.reader.read(lanes, count, block_ms, idle)
         except ResponseError as exc:
             if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             logger.warning("a request stream or its group vanished; recreating them")
             await self.ensure_groups()
             return []
-        read = []
-        for raw_stream, rows in reply or []:
-            name = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
-            lane = self._by_stream.get(name)
-            if lane is None:  # cannot happen: only lanes' streams are read
-                continue
-            for entry_id, fields in rows:
-                if fields is not None:
-                    key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    read.append((lane, Entry(key, fields)))
-        return read
+
+    async def _backlog(self, tenant: str) -> int:
+        """The tenant's entries in the model's streams, every partition's summed."""
+        lanes = self._lanes[tenant]
+        if len(lanes) == 1:
+            return await lanes[0].stream.backlog()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lane in lanes:
+                pipe.xlen(lane.stream.stream)
+            return sum(int(n) for n in await execute_pipeline(pipe))
 
     async def over_cap(self, lane: Lane, entries: list[Entry]) -> tuple[list[Entry], Outcome]:
         """Split `entries` of `lane` into those to run and an outcome refusing the rest.
 
-        While the tenant's stream holds more than its cap, the newest entries read, as many
-        as the excess, are answered with `QuotaExceeded` (and acknowledged).
+        While the tenant's streams (every partition's) hold more than its cap, the newest
+        entries read, as many as the excess, are answered with `QuotaExceeded` (acknowledged).
         """
         cap = lane.max_inflight
         refused = Outcome()
         if not cap or not entries:
             return entries, refused
-        excess = await lane.stream.backlog() - cap
+        excess = await self._backlog(lane.tenant) - cap
         if excess <= 0:
             return entries, refused
         keep = entries[: max(len(entries) - excess, 0)]

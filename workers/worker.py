@@ -7,11 +7,13 @@ and an idle tenant's share goes to the rest. A batch is split by tenant and each
 with its tenant's keys (replies, cache namespace, acknowledgements), concurrently: the backend
 batches concurrent calls into one forward.
 
-The loop hands each batch to a task, keeping at most `prefetch` batches in flight: while the
-backend computes one batch (off the loop, on its own thread or device), the next is already
-read, decoded and looked up in the cache. Beside the read loop run a heartbeat (which also
-re-publishes the model after a Redis restart), a tenant refresh (new tenants are served within
-a few seconds) and a janitor that reclaims entries abandoned by dead workers, on every lane.
+The loop hands each batch to a task, keeping at most `prefetch` batches in flight. While the
+backend computes one batch (off the loop, on its own thread or device), the loop reads ahead
+into the scheduler, but the scheduler picks the next batch only when the backend is about to
+be done with the current one (`late_binding`): requests arriving meanwhile can still join it,
+and replying to one batch overlaps the next one's forward. Beside the read loop run the
+`Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries abandoned by
+dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -23,27 +25,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
-
-from redis.exceptions import ResponseError
 
 from shared.connections import bounded
 from shared.lm.interface import AsyncLM
 from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
-from shared.worker_stats import WorkerStats, write_worker_stats
 
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
+from .late_binding import BackendSlot, BatchForward, ForwardPart
 from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
+from .upkeep import Upkeep, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -52,8 +52,6 @@ logger = logging.getLogger(__name__)
 _IDLE_BLOCK_MS = 500
 #: Fair-share cost of one request beyond its prompt tokens (a row's reply and bookkeeping).
 CALL_COST_TOKENS = 8
-#: How often the operator's tenant list is read again.
-TENANT_REFRESH_S = 2.0
 
 
 class Worker:
@@ -87,8 +85,8 @@ class Worker:
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self._started_ms = int(time.time() * 1000)
-        self._stats_refused = False
+        self.slot = BackendSlot()
+        self.upkeep = Upkeep(self)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property
@@ -124,6 +122,8 @@ class Worker:
             max_prompt_tokens=min(limits) if limits else 0,
             eos_token_ids=[eos] if isinstance(eos, int) else [],
             max_backlog=settings.max_backlog,
+            partitions=settings.partitions,
+            partition_block_tokens=settings.partition_block_tokens,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -133,11 +133,12 @@ class Worker:
             self._tokenizer_files = await asyncio.to_thread(
                 tokenizer_to_files, self.backend.tokenizer
             )
-        await self._refresh_tenants()
+        await self.lanes.reader.check_peers()
+        await self.upkeep.refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]
         await self.registry.publish(self.info, self._tokenizer_files, vocab)
-        await self._beat()
+        await self.upkeep.beat()
         self.health.mark_published()
         logger.info("serving %s (revision %s) as %s", self.info.name, self.info.revision,
                     self.settings.name)  # fmt: skip
@@ -159,17 +160,13 @@ class Worker:
 
     async def _serve(self, stop: asyncio.Event) -> None:
         await self._retry_until_up(self.publish, stop)
-        background = [
-            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
-            asyncio.create_task(self._tenant_loop(stop), name="tenants"),
-            asyncio.create_task(self._not_ready_once(stop), name="readiness"),
-        ]
+        background = self.upkeep.start(stop)
         self.health.mark_serving()
         try:
             await self._retry_until_up(self._drain_own_pending, stop)
             # Only now: the janitor also claims this consumer's idle entries, and two claims of
             # one entry at once would charge it two deliveries for one attempt.
-            background.append(asyncio.create_task(self._janitor_loop(stop), name="janitor"))
+            background.append(self.upkeep.start_janitor(stop))
             await self._read_loop(stop)
         finally:
             self.health.mark_stopping()
@@ -189,19 +186,24 @@ class Worker:
         """
         await self.publish()
         before = self.answered
-        async with self._computing():
-            await self._drain_own_pending()
-            while picks := await self._read_batch(block_ms=None):
-                await self._handle(picks)
+        reader = self.lanes.reader
+        steal_after_ms, reader.steal_after_ms = reader.steal_after_ms, 0  # drain every partition
+        try:
+            async with self._computing():
+                await self._drain_own_pending()
+                while picks := await self._read_batch(block_ms=None):
+                    await self._handle(picks)
+        finally:
+            reader.steal_after_ms = steal_after_ms
         return self.answered - before
 
     # -- reading ---------------------------------------------------------------------------------
     async def _drain_own_pending(self) -> None:
         """Answer entries this consumer took before a crash or restart, before new work."""
         for lane in self.lanes:
-            await self._recover(lane, lane.janitor.own_pending())
+            await self.recover(lane, lane.janitor.own_pending())
 
-    async def _recover(
+    async def recover(
         self, lane: Lane, entries: AsyncGenerator[Entry, None], stop: asyncio.Event | None = None
     ) -> None:
         """Answer entries delivered before, each alone (see `Janitor`); park exhausted ones."""
@@ -223,19 +225,33 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                entries = await bounded(
+                if self.slot.pick_in_s() != 0.0:  # read ahead; pick when the backend is
+                    await bounded(self._read_into_scheduler(None), self._stall_s, "read ahead")
+                    await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)  # about to be done
+                    continue
+                picks = await bounded(
                     self._read_batch(block_ms=_IDLE_BLOCK_MS),
-                    _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
+                    _IDLE_BLOCK_MS / 1000 + self._stall_s,
                     "request read",
                 )
             except REDIS_TROUBLE as exc:
                 logger.warning("reading requests failed (%s); retrying", exc)
-                await _sleep_unless(stop, 0.5)
+                await sleep_unless(stop, 0.5)
                 continue
-            if entries:
-                task = asyncio.create_task(self._handle(entries))
-                self._inflight.add(task)
-                task.add_done_callback(self._batch_done)
+            if picks:
+                self._start(picks)
+
+    def _start(self, picks: list[Pick[tuple[Lane, Entry]]]) -> None:
+        """Answer a batch in a task; it holds the backend slot until its forward is done."""
+        release = self.slot.hold()
+        task = asyncio.create_task(self._handle(picks, computed=release))
+        self._inflight.add(task)
+        task.add_done_callback(lambda _: release())  # a failed batch releases it too
+        task.add_done_callback(self._batch_done)
+
+    @property
+    def _stall_s(self) -> float:
+        return self.settings.redis.stall_timeout_s
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         """Forget a finished batch task; a failure leaves its entries pending for the janitor."""
@@ -246,14 +262,15 @@ class Worker:
     async def _read_batch(self, block_ms: int | None) -> list[Pick[tuple[Lane, Entry]]]:
         """The next fair batch: read what the scheduler lacks, then let it pick.
 
-        Blocks for the first entry only when nothing is queued; waits max_wait_ms for more
-        when the batch would not be full.
+        Blocks for the first entry only when nothing is queued, and then waits max_wait_ms for
+        more when the batch would not be full; entries queued already (read ahead during the
+        last forward) had their wait, and the backend is idle now.
         """
         size = self.settings.batch_size
         if not self.scheduler.backlog():
             await self._read_into_scheduler(block_ms)
-        if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
-            await asyncio.sleep(self.settings.max_wait_ms / 1000)
+            if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
+                await asyncio.sleep(self.settings.max_wait_ms / 1000)
         await self._read_into_scheduler(None)
         return self.scheduler.pick(size, self.settings.max_batch_tokens)
 
@@ -261,33 +278,41 @@ class Worker:
         """Read new entries of every lane holding less than a batch in the scheduler."""
         size = self.settings.batch_size
         wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
-        by_lane: dict[str, list[Entry]] = {}
-        for lane, entry in await self.lanes.read(wanting, size, block_ms):
-            by_lane.setdefault(lane.tenant, []).append(entry)
-        for tenant, entries in by_lane.items():
-            lane = self.lanes.lane(tenant)
+        idle = not self.slot.busy and not self.scheduler.backlog()  # else: no stealing
+        by_lane: dict[str, tuple[Lane, list[Entry]]] = {}
+        for lane, entry in await self.lanes.read(wanting, size, block_ms, idle):
+            by_lane.setdefault(lane.stream.stream, (lane, []))[1].append(entry)
+        for lane, entries in by_lane.values():  # a lane removed meanwhile: answered
             entries, refused = await self.lanes.over_cap(lane, entries)
             if refused.acks:
                 await lane.writer.flush(refused)
                 self.answered += len(refused.acks)
-            self.scheduler.set_weight(tenant, lane.weight)
+            self.scheduler.set_weight(lane.tenant, lane.weight)
             for entry in entries:
-                self.scheduler.add(tenant, (lane, entry), _estimated_tokens(entry))
+                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry))
 
     # -- answering -------------------------------------------------------------------------------
-    async def _handle(self, picks: Sequence[Pick[tuple[Lane, Entry]]]) -> None:
-        """Answer one fair batch: each tenant's part with its own keys, all at once."""
+    async def _handle(
+        self,
+        picks: Sequence[Pick[tuple[Lane, Entry]]],
+        computed: Callable[[], None] | None = None,
+    ) -> None:
+        """Answer one fair batch: each tenant's part with its own keys, all at once.
+
+        The parts call the backend together; `computed` is called once it is done with all.
+        """
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
-        for pick in picks:
-            lane, entry = pick.item
-            parts.setdefault(lane.tenant, (lane, []))[1].append(entry)
         charged: dict[str, float] = {}
         for pick in picks:
-            charged[pick.item[0].tenant] = charged.get(pick.item[0].tenant, 0.0) + pick.charged
+            lane, entry = pick.item
+            stream = lane.stream.stream
+            parts.setdefault(stream, (lane, []))[1].append(entry)
+            charged[stream] = charged.get(stream, 0.0) + pick.charged
+        forward = BatchForward(len(parts), computed)
         results = await asyncio.gather(
             *(
-                self._handle_lane(lane, entries, charged[lane.tenant])
-                for lane, entries in parts.values()
+                self._handle_lane(lane, entries, charged[stream], forward.part())
+                for stream, (lane, entries) in parts.items()
             ),
             return_exceptions=True,
         )
@@ -296,7 +321,11 @@ class Worker:
                 raise result
 
     async def _handle_lane(
-        self, lane: Lane, entries: Sequence[Entry], charged: float = 0.0
+        self,
+        lane: Lane,
+        entries: Sequence[Entry],
+        charged: float = 0.0,
+        forward: ForwardPart | None = None,
     ) -> None:
         """Process one tenant's entries and write their outcome; keep their claims fresh.
 
@@ -306,7 +335,7 @@ class Worker:
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
-            outcome = await lane.processor.process(entries)
+            outcome = await lane.processor.process(entries, forward)
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
@@ -336,75 +365,6 @@ class Worker:
         if pending:
             logger.warning("cancelled %d batches at shutdown; they stay pending", len(pending))
 
-    # -- background ------------------------------------------------------------------------------
-    async def _heartbeat(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                if not await self.registry.is_published(self.info.name):
-                    logger.warning("model registry entry missing (Redis restarted?); re-publishing")
-                    await self.publish()
-                await self._beat()
-            except REDIS_DOWN as exc:
-                logger.warning("heartbeat failed: %s", exc)
-                self.health.heartbeat(reached_redis=False)
-            await _sleep_unless(stop, self.settings.heartbeat_s)
-
-    async def _beat(self) -> None:
-        """Write the heartbeat and the stats hash (`lmq status`)."""
-        await self.registry.heartbeat(self.info.name, self.settings.name)
-        self.health.heartbeat(reached_redis=True)
-        self.metrics.mark_heartbeat()
-        batches_per_s, requests_per_s = self.metrics.rates()
-        hits, misses = self.metrics.shared_cache_counts()
-        stats = WorkerStats(
-            self.info.name, self.settings.backend, self.info.revision,
-            tuple(lane.tenant for lane in self.lanes), self.settings.batch_size,
-            self._started_ms, int(time.time() * 1000), self.metrics.batches_total,
-            self.metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
-        )  # fmt: skip
-        ttl_s = max(10, int(5 * self.settings.heartbeat_s))
-        try:
-            await write_worker_stats(self.redis, self.keys, self.settings.name, stats, ttl_s)
-        except ResponseError as exc:  # e.g. an ACL without the stats key: lmq status shows less
-            if not self._stats_refused:
-                logger.warning("writing the stats hash failed: %s", exc)
-            self._stats_refused = True
-
-    async def _not_ready_once(self, stop: asyncio.Event) -> None:
-        """Fail readiness the moment the worker is told to stop, not when its loop notices."""
-        await stop.wait()
-        self.health.mark_stopping()
-
-    async def _tenant_loop(self, stop: asyncio.Event) -> None:
-        """Pick up new tenants and changed settings every few seconds, without a restart."""
-        while not stop.is_set():
-            await _sleep_unless(stop, TENANT_REFRESH_S)
-            try:
-                await self._refresh_tenants()
-            except REDIS_TROUBLE as exc:
-                logger.warning("reading tenants failed: %s", exc)
-
-    async def _refresh_tenants(self) -> None:
-        await self.lanes.refresh()
-        for lane in self.lanes:
-            self.scheduler.set_weight(lane.tenant, lane.weight)
-
-    async def _janitor_loop(self, stop: asyncio.Event) -> None:
-        """Recover idle entries of dead workers on every lane, and prune; nothing ends it."""
-        interval_s = max(self.settings.claim_idle_ms / 2000, 0.05)
-        while not stop.is_set():
-            await _sleep_unless(stop, interval_s)
-            if stop.is_set():
-                return
-            for lane in self.lanes:
-                try:
-                    await self._recover(lane, lane.janitor.idle_entries(), stop)
-                    await lane.janitor.prune_if_due()
-                except REDIS_TROUBLE as exc:
-                    logger.warning("janitor sweep of %s failed: %s", lane.tenant, exc)
-                except Exception:
-                    logger.exception("janitor sweep of %s failed", lane.tenant)
-
     async def _retry_until_up(self, action: Any, stop: asyncio.Event) -> None:
         delay_s = 0.1
         while True:
@@ -415,25 +375,10 @@ class Worker:
                 if stop.is_set():
                     raise
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
-                await _sleep_unless(stop, delay_s)
+                await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep `seconds`, waking early when `stop` is set."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
 
 
 def _estimated_tokens(entry: Entry) -> int:
     """A request's prompt tokens, from its envelope's size (4 bytes a token, ~64 of header)."""
     return max((len(entry.fields.get(b"m", b"")) - 64) // 4, 1)
-
-
-def health_state(settings: WorkerSettings) -> HealthState:
-    """Probe thresholds for a worker: its read loop turns at least every stall timeout plus
-    half a second, its heartbeat loop every `heartbeat_s`; allow several of each."""
-    return HealthState(
-        loop_stale_s=max(60.0, 3 * settings.redis.stall_timeout_s),
-        heartbeat_stale_s=max(30.0, 5 * settings.heartbeat_s),
-    )

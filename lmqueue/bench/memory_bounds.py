@@ -12,8 +12,9 @@ into bytes:
   one copy of rows x longest prompt x KV per token lives at a time (counted with one layer's
   more, the margin of the earlier layout that replaced each layer as the forward reached it),
   plus logits and log-softmax of every row;
-* replies in flight: a worker holds up to two batches at once (one computing, one prefetched),
-  each row's vector as a result tensor, as encoded bytes and in the pipeline's send buffer;
+* replies in flight: a worker holds up to two batches at once (one computing, one picked
+  ahead or writing its replies), each row's vector as a result tensor, as encoded bytes and in
+  the pipeline's send buffer;
 * the baseline: the worker's RSS once loaded and idle, which holds the interpreter, torch and
   transformers, the tokenizer and the weights (reported separately).
 

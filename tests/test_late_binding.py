@@ -1,0 +1,128 @@
+"""Late binding: a worker picks its next batch when the backend is done with the last one.
+
+A request arriving while a forward runs joins the very next forward, not the one after it,
+though the worker reads ahead and another tenant has several batches queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from lmqueue.tenant_admin import TenantAdmin
+from shared.keys import KeySpace
+from shared.tenants import TenantConfig
+from shared.wire import Request, encode_request
+from workers.backends.mock import MockAsyncLM
+from workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
+from workers_in_threads import ThreadedWorker
+
+MODEL = "mock"
+FORWARD_S = 0.5
+
+
+class RecordingLM(MockAsyncLM):
+    """A mock backend that notes which forward (1, 2, ...) answered each prompt."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, batch_delay_s=FORWARD_S)
+        self.forward_of: dict[tuple[int, ...], int] = {}
+        self.calls = 0
+
+    async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None):
+        self.calls += 1
+        result = await super().next_token_logprobs(token_ids, lora_name)
+        self.forward_of[tuple(token_ids)] = len(self.batch_sizes)
+        return result
+
+
+@pytest.fixture
+def tenants(redis_url: str) -> Iterator[TenantAdmin]:
+    admin = redis.Redis.from_url(redis_url)
+    tenant_admin = TenantAdmin(admin, redis_url)
+    for name in ("flood", "light"):
+        tenant_admin.add(TenantConfig(name))
+    yield tenant_admin
+    users = [u.decode() for u in admin.execute_command("ACL", "USERS")]
+    admin.execute_command("ACL", "DELUSER", *[u for u in users if u != "default"])
+    admin.close()
+
+
+def _xadd(url: str, tenant: str, prompts: list[list[int]]) -> None:
+    client = redis.Redis.from_url(url)
+    with client.pipeline(transaction=False) as pipe:
+        for n, prompt in enumerate(prompts):
+            request = Request(f"{tenant}:{n}", f"raw-{tenant}", np.asarray(prompt, "<i4").tobytes())
+            pipe.xadd(KeySpace(tenant=tenant).requests(MODEL), encode_request(request))
+        pipe.execute()
+    client.close()
+
+
+async def test_a_request_arriving_during_a_forward_joins_the_next_forward(
+    redis_url: str, tenants: TenantAdmin, smol_tokenizer: Any
+) -> None:
+    backend = RecordingLM(smol_tokenizer)
+    worker = ThreadedWorker(backend, tenants.worker_user()).start()
+    try:
+        flood = [[1, n] for n in range(4 * 32)]  # four batches of the default 32
+        _xadd(redis_url, "flood", flood)
+        deadline = time.monotonic() + 10
+        while not backend.calls and time.monotonic() < deadline:  # the first forward began
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(FORWARD_S / 4)
+        _xadd(redis_url, "light", [[2, 2, 2]])
+        while (2, 2, 2) not in backend.forward_of and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        worker.stop()
+    assert backend.forward_of[(2, 2, 2)] == 2
+    assert backend.batch_sizes[:2] == [32, 32]  # the worker batched no less for it
+
+
+def test_the_backend_slot_is_free_only_when_every_holder_released() -> None:
+    slot = BackendSlot()
+    first, second = slot.hold(), slot.hold()
+    first()
+    first()  # a second release of one hold changes nothing
+    assert slot.busy
+    second()
+    assert not slot.busy
+
+
+def test_the_next_batch_is_picked_a_fifth_of_a_forward_before_the_backend_is_done() -> None:
+    now = [0.0]
+    slot = BackendSlot(clock=lambda: now[0])
+    assert slot.pick_in_s() == 0.0
+    release = slot.hold()
+    assert slot.pick_in_s() is None  # no estimate yet: until this batch is through
+    now[0] = 1.0
+    release()
+    assert slot.forward_s == 1.0 and slot.pick_in_s() == 0.0
+    slot.hold()
+    now[0] = 1.5
+    assert slot.pick_in_s() == pytest.approx((1 - PICK_LEAD) - 0.5)
+    slot.hold()
+    assert slot.pick_in_s() is None  # a batch waits for the backend already
+
+
+async def test_the_parts_of_a_batch_call_the_backend_together() -> None:
+    done: list[str] = []
+    forward = BatchForward(3, lambda: done.append("computed"))
+    parts = [forward.part() for _ in range(3)]
+    early = asyncio.create_task(parts[0].ready())
+    await asyncio.sleep(0.01)
+    assert not early.done()  # waits for the others
+    parts[1].computed()  # a part with nothing to compute (or failed) does not hold it up
+    parts[2].computed()
+    assert not early.done() and done == []
+    await parts[2].ready()  # computed already: returns at once
+    await asyncio.wait_for(early, 1)
+    parts[0].computed()
+    parts[0].computed()
+    assert done == ["computed"]

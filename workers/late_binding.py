@@ -1,0 +1,151 @@
+"""Late binding: a worker picks its next batch only when the backend is done with the last.
+
+A worker reads and queues requests ahead of the backend, but its `FairShare` scheduler picks
+the next batch's members only when the backend is about to be done with the previous batch
+(`BackendSlot`: a fifth of a forward before its expected end). Picked earlier (a whole
+forward ahead, as a plain prefetch does), a batch's membership is fixed before requests
+arriving meanwhile could join it: a light tenant's request arriving during one forward would
+wait for that forward, the one already picked, then its own. Picked only once the backend is
+idle, the backend would idle while the batch is read, picked and decoded. What comes after a
+forward (encoding, writing replies, acknowledging) overlaps the next batch's forward.
+
+A batch runs as one part per tenant, concurrently, and the backend batches the calls it has
+when it starts a forward; a part that looked up the cache a little later than the others
+would miss its batch's forward and wait for the next. So the parts of a batch call the
+backend together (`BatchForward`): each waits until every part is ready to compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+__all__ = ["BackendSlot", "BatchForward", "ForwardPart"]
+
+
+#: How far ahead of a forward's expected end the next batch is picked, as a fraction of the
+#: forward: enough for reading, picking and decoding to reach the backend before it is idle.
+PICK_LEAD = 0.2
+#: Weight of the newest forward in the running estimate of a forward's duration.
+_NEWEST = 0.2
+
+
+class BackendSlot:
+    """Batches picked and not yet through the backend, and when the backend will be done.
+
+    The next batch may be picked when none is held, or when one is held and its forward is
+    expected to end within `PICK_LEAD` of a forward (the running estimate of a forward's
+    duration, from the batches released so far): its calls then wait at the backend for
+    the current forward, as a prefetched batch's would, but their membership was decided
+    only that much earlier.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.forward_s = 0.0  # running estimate; 0 until a batch was released
+        self._held = 0
+        self._since = 0.0  # when the backend began the oldest held batch (or was given it)
+        self._changed = asyncio.Event()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a picked batch is still waiting for or in the backend."""
+        return self._held > 0
+
+    def pick_in_s(self) -> float | None:
+        """Seconds until the next batch may be picked: 0 now, None until a release."""
+        if not self._held:
+            return 0.0
+        if self._held > 1 or not self.forward_s:
+            return None
+        return max(self._since + (1 - PICK_LEAD) * self.forward_s - self.clock(), 0.0)
+
+    def hold(self) -> Callable[[], None]:
+        """Hold the slot for one batch; returns its release, which only its first call does."""
+        if not self._held:
+            self._since = self.clock()
+        self._held += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            now = self.clock()
+            took_s = now - self._since
+            self.forward_s = took_s if not self.forward_s else (
+                _NEWEST * took_s + (1 - _NEWEST) * self.forward_s
+            )  # fmt: skip
+            self._held -= 1
+            self._since = now  # the next held batch has the backend from now
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+        return release
+
+    async def wait_to_pick(self, timeout_s: float) -> bool:
+        """Wait until the next batch may be picked, at most `timeout_s`; whether it may."""
+        deadline = self.clock() + timeout_s
+        while (wait_s := self.pick_in_s()) != 0.0:
+            left_s = deadline - self.clock()
+            if left_s <= 0:
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(wait_s or left_s, left_s))
+        return True
+
+
+class BatchForward:
+    """One batch's parts on their way to the backend: they call it together, and `computed`
+    is called once the backend is done with all of them."""
+
+    def __init__(self, parts: int, computed: Callable[[], None] | None = None) -> None:
+        self._not_ready = parts
+        self._not_computed = parts
+        self._all_ready = asyncio.Event()
+        self._computed = computed
+        if not parts:
+            self._all_ready.set()
+
+    def part(self) -> ForwardPart:
+        """The handle of one part (make exactly as many as `parts`)."""
+        return ForwardPart(self)
+
+    def _arrive(self) -> None:
+        self._not_ready -= 1
+        if self._not_ready <= 0:
+            self._all_ready.set()
+
+    def _done(self) -> None:
+        self._not_computed -= 1
+        if self._not_computed == 0 and self._computed is not None:
+            self._computed()
+
+
+class ForwardPart:
+    """One part of a `BatchForward`; `computed` must be called on every path (it is
+    idempotent), or the other parts wait for this one forever."""
+
+    def __init__(self, batch: BatchForward) -> None:
+        self._batch = batch
+        self._ready = False
+        self._computed = False
+
+    async def ready(self) -> None:
+        """This part is about to call the backend: wait until every part is."""
+        if not self._ready:
+            self._ready = True
+            self._batch._arrive()
+        await self._batch._all_ready.wait()
+
+    def computed(self) -> None:
+        """The backend is done with this part (or it needs none, or it failed)."""
+        if not self._ready:
+            self._ready = True
+            self._batch._arrive()
+        if not self._computed:
+            self._computed = True
+            self._batch._done()

@@ -1,0 +1,146 @@
+"""`Upkeep`: what a worker does beside reading and answering, each on its own loop.
+
+* a heartbeat, which also writes the stats hash `lmq status` reads and re-publishes the model
+  after a Redis restart (the registry entry is gone);
+* a tenant refresh, so new tenants and changed weights are served within a few seconds;
+* a janitor sweep, which answers entries abandoned by dead workers on every lane, and prunes;
+* readiness, failed the moment the worker is told to stop.
+
+Kept apart from `Worker` so that the worker module reads as lifecycle, reading and answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from redis.exceptions import ResponseError
+
+from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
+from shared.settings import WorkerSettings
+from shared.worker_stats import WorkerStats, write_worker_stats
+
+from .health import HealthState
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+__all__ = ["Upkeep", "health_state", "sleep_unless", "TENANT_REFRESH_S"]
+
+logger = logging.getLogger(__name__)
+
+#: How often the operator's tenant list is read again.
+TENANT_REFRESH_S = 2.0
+
+
+class Upkeep:
+    """The background loops of one worker; they read and change the worker they serve."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self._started_ms = int(time.time() * 1000)
+        self._stats_refused = False
+
+    def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        """Start the heartbeat, the tenant refresh and readiness; they run until `stop`."""
+        return [
+            asyncio.create_task(self._heartbeat(stop), name="heartbeat"),
+            asyncio.create_task(self._tenant_loop(stop), name="tenants"),
+            asyncio.create_task(self._not_ready_once(stop), name="readiness"),
+        ]
+
+    def start_janitor(self, stop: asyncio.Event) -> asyncio.Task[None]:
+        """Start the janitor sweep; it runs until `stop`."""
+        return asyncio.create_task(self._janitor_loop(stop), name="janitor")
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        worker = self.worker
+        while not stop.is_set():
+            try:
+                if not await worker.registry.is_published(worker.info.name):
+                    logger.warning("model registry entry missing (Redis restarted?); re-publishing")
+                    await worker.publish()
+                await self.beat()
+            except REDIS_DOWN as exc:
+                logger.warning("heartbeat failed: %s", exc)
+                worker.health.heartbeat(reached_redis=False)
+            await sleep_unless(stop, worker.settings.heartbeat_s)
+
+    async def beat(self) -> None:
+        """Write the heartbeat and the stats hash (`lmq status`)."""
+        worker = self.worker
+        info, settings, metrics = worker.info, worker.settings, worker.metrics
+        await worker.registry.heartbeat(info.name, settings.name)
+        worker.health.heartbeat(reached_redis=True)
+        metrics.mark_heartbeat()
+        batches_per_s, requests_per_s = metrics.rates()
+        hits, misses = metrics.shared_cache_counts()
+        stats = WorkerStats(
+            info.name, settings.backend, info.revision,
+            tuple(worker.lanes.tenants()), settings.batch_size,
+            self._started_ms, int(time.time() * 1000), metrics.batches_total,
+            metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
+        )  # fmt: skip
+        ttl_s = max(10, int(5 * settings.heartbeat_s))
+        try:
+            await write_worker_stats(worker.redis, worker.keys, settings.name, stats, ttl_s)
+        except ResponseError as exc:  # e.g. an ACL without the stats key: lmq status shows less
+            if not self._stats_refused:
+                logger.warning("writing the stats hash failed: %s", exc)
+            self._stats_refused = True
+
+    async def _not_ready_once(self, stop: asyncio.Event) -> None:
+        """Fail readiness the moment the worker is told to stop, not when its loop notices."""
+        await stop.wait()
+        self.worker.health.mark_stopping()
+
+    async def _tenant_loop(self, stop: asyncio.Event) -> None:
+        """Pick up new tenants and changed settings every few seconds, without a restart."""
+        while not stop.is_set():
+            await sleep_unless(stop, TENANT_REFRESH_S)
+            try:
+                await self.refresh_tenants()
+            except REDIS_TROUBLE as exc:
+                logger.warning("reading tenants failed: %s", exc)
+
+    async def refresh_tenants(self) -> None:
+        """Read the tenant list again and give the scheduler each lane's weight."""
+        worker = self.worker
+        await worker.lanes.refresh()
+        for lane in worker.lanes:
+            worker.scheduler.set_weight(lane.tenant, lane.weight)
+
+    async def _janitor_loop(self, stop: asyncio.Event) -> None:
+        """Recover idle entries of dead workers on every lane, and prune; nothing ends it."""
+        worker = self.worker
+        interval_s = max(worker.settings.claim_idle_ms / 2000, 0.05)
+        while not stop.is_set():
+            await sleep_unless(stop, interval_s)
+            if stop.is_set():
+                return
+            for lane in worker.lanes:
+                try:
+                    await worker.recover(lane, lane.janitor.idle_entries(), stop)
+                    await lane.janitor.prune_if_due()
+                except REDIS_TROUBLE as exc:
+                    logger.warning("janitor sweep of %s failed: %s", lane.tenant, exc)
+                except Exception:
+                    logger.exception("janitor sweep of %s failed", lane.tenant)
+
+
+async def sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, waking early when `stop` is set."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+def health_state(settings: WorkerSettings) -> HealthState:
+    """Probe thresholds for a worker: its read loop turns at least every stall timeout plus
+    half a second, its heartbeat loop every `heartbeat_s`; allow several of each."""
+    return HealthState(
+        loop_stale_s=max(60.0, 3 * settings.redis.stall_timeout_s),
+        heartbeat_stale_s=max(30.0, 5 * settings.heartbeat_s),
+    )

@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--partitions", type=int, default=16, help="N of the 'on' configuration")
+    parser.add_argument(
+        "--steal-after-ms", type=int, help="LMQ_STEAL_AFTER_MS of the workers (their default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900, help="a call's deadline")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
@@ -104,6 +107,8 @@ def _configuration(
                 "LMQ_METRICS_PORT": str(ports[-1]),
                 "OMP_NUM_THREADS": str(threads),
             }
+            if args.steal_after_ms is not None:
+                env["LMQ_STEAL_AFTER_MS"] = str(args.steal_after_ms)
             add_workers(workers, 1, env=env, **spec)
         asyncio.run(wait_for_workers(server.url, args.model, workers))
         before = [scrape_tokens(port) for port in ports]

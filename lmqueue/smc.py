@@ -5,7 +5,8 @@ particle's next-token distribution (one concurrent batch of calls), weights each
 the probability mass its constraint allows, samples an allowed token, and resamples when the
 effective sample size collapses, which duplicates particles (and so repeats prompts, which the
 caches answer). It runs against anything with ``batch_next_token_logprobs``: a `QueueLM`, or an
-in-process backend for comparison.
+in-process backend for comparison. The sampler itself is numpy: with a `QueueLM` it asks for
+arrays (``batch_next_token_logprobs_numpy``), so a program built on it never imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 __all__ = ["Particle", "SMCResult", "run_smc", "lipogram_mask"]
 
@@ -47,9 +47,9 @@ class SMCResult:
         return self.calls / self.elapsed_s if self.elapsed_s else 0.0
 
 
-def lipogram_mask(byte_vocab: Sequence[bytes], banned: bytes = b"eE") -> torch.Tensor:
+def lipogram_mask(byte_vocab: Sequence[bytes], banned: bytes = b"eE") -> np.ndarray:
     """A boolean mask of the tokens whose bytes avoid every byte in `banned`."""
-    return torch.tensor([not any(b in token for b in banned) for token in byte_vocab])
+    return np.array([not any(b in token for b in banned) for token in byte_vocab], dtype=bool)
 
 
 async def run_smc(
@@ -58,8 +58,8 @@ async def run_smc(
     n_particles: int,
     n_steps: int,
     *,
-    allowed: torch.Tensor | None = None,
-    allowed_for: Callable[[list[int]], torch.Tensor] | None = None,
+    allowed: Any = None,
+    allowed_for: Callable[[list[int]], Any] | None = None,
     eos_token_ids: Sequence[int] = (),
     seed: int = 0,
     on_step: Callable[[int], None] | None = None,
@@ -67,14 +67,16 @@ async def run_smc(
     """Run `n_steps` of SMC with `n_particles` from `prompt`.
 
     Args:
-        lm: has ``async batch_next_token_logprobs(list[list[int]]) -> Tensor``.
-        allowed: mask of tokens the constraint allows (None: all tokens).
+        lm: has ``async batch_next_token_logprobs(list[list[int]]) -> Tensor`` (or
+            ``batch_next_token_logprobs_numpy``, preferred: no tensors).
+        allowed: boolean mask (array or tensor) of the tokens the constraint allows (None: all).
         allowed_for: a mask per particle, from its tokens so far (wins over `allowed`).
         eos_token_ids: tokens that finish a particle.
         on_step: called with the step index after each step (progress bars).
     """
     rng = np.random.default_rng(seed)
-    generator = torch.Generator().manual_seed(seed)
+    token_rng = np.random.default_rng([seed, 1])  # its own stream: resampling does not shift it
+    fetch = _fetcher(lm)
     particles = [Particle() for _ in range(n_particles)]
     calls = resamples = 0
     start = time.perf_counter()
@@ -82,11 +84,11 @@ async def run_smc(
         live = [p for p in particles if not p.done]
         if not live:
             break
-        logprobs = await lm.batch_next_token_logprobs([prompt + p.tokens for p in live])
+        logprobs = await fetch([prompt + p.tokens for p in live])
         calls += len(live)
         for particle, row in zip(live, logprobs, strict=True):
             mask = allowed_for(particle.tokens) if allowed_for is not None else allowed
-            _extend(particle, row, mask, eos_token_ids, generator)
+            _extend(particle, row, mask, eos_token_ids, token_rng)
         if _effective_sample_size(particles) < n_particles / 2:
             particles = _resample(particles, rng)
             resamples += 1
@@ -95,23 +97,39 @@ async def run_smc(
     return SMCResult(particles, calls, step + 1, time.perf_counter() - start, resamples)
 
 
+def _fetcher(lm: Any) -> Callable[[list[list[int]]], Any]:
+    """The batch call of `lm` that returns numpy rows: its own, or a tensor call converted."""
+    numpy_call = getattr(lm, "batch_next_token_logprobs_numpy", None)
+    if numpy_call is not None:
+        return numpy_call
+
+    async def fetch(prompts: list[list[int]]) -> np.ndarray:
+        rows = await lm.batch_next_token_logprobs(prompts)
+        return np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows, dtype=np.float32)
+
+    return fetch
+
+
 def _extend(
     particle: Particle,
-    logprobs: torch.Tensor,
-    allowed: torch.Tensor | None,
+    logprobs: np.ndarray,
+    allowed: Any,
     eos_token_ids: Sequence[int],
-    generator: torch.Generator,
+    rng: np.random.Generator,
 ) -> None:
     """Weight by the allowed mass, then sample one allowed token."""
-    logprobs = logprobs[: len(allowed)] if allowed is not None else logprobs
     if allowed is not None:
-        logprobs = logprobs.masked_fill(~allowed, -math.inf)
-    log_mass = torch.logsumexp(logprobs, dim=0).item()
-    particle.log_weight += log_mass
-    if not math.isfinite(log_mass):
+        mask = np.asarray(allowed, dtype=bool)
+        logprobs = np.where(mask, logprobs[: len(mask)], -np.inf)
+    top = float(np.max(logprobs))
+    if not math.isfinite(top):
+        particle.log_weight = -math.inf
         particle.done = True
         return
-    token = int(torch.multinomial(torch.exp(logprobs - log_mass), 1, generator=generator))
+    cumulative = np.cumsum(np.exp(logprobs - top, dtype=np.float64))
+    particle.log_weight += top + math.log(cumulative[-1])
+    token = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    token = min(token, len(cumulative) - 1)
     if token in eos_token_ids:
         particle.done = True
     else:

@@ -13,10 +13,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from shared.connections import connect_async_redis
 from shared.errors import UnknownModel
@@ -33,7 +32,10 @@ from shared.tenants import read_cache_namespace
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel
 from .sync_portal import SyncFacade
-from .tensors import to_float32_tensor
+from .tensors import as_array, as_tensor, to_float32_array, to_float32_tensor
+
+if TYPE_CHECKING:  # imported with the first tensor made: a numpy-only program never loads it
+    import torch
 
 __all__ = ["QueueLM"]
 
@@ -48,7 +50,8 @@ class QueueLM(SyncFacade, AsyncLM):
 
     Create it with ``await QueueLM.connect(model, redis_url=...)`` (or ``async with``), and
     ``await lm.close()`` when done. Results are float32 CPU tensors of length
-    ``info.vector_size``, whatever dtype they travelled in.
+    ``info.vector_size``, whatever dtype they travelled in, or float32 numpy arrays from the
+    ``*_numpy`` methods (torch is then never imported).
     """
 
     backend_name = "queue"
@@ -169,15 +172,43 @@ class QueueLM(SyncFacade, AsyncLM):
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
         """Log-probabilities of the next token after `token_ids` (float32, CPU)."""
-        reject_adapter(lora_name)
-        ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
-        token_bytes = ids.astype("<i4").tobytes()
-        if token_bytes in self.local_cache:  # a miss through get() raises and catches KeyError
-            return self.local_cache[token_bytes]
+        found, token_bytes = self._lookup(token_ids, lora_name)
+        if found is not None:
+            return as_tensor(found)
         vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
         tensor = to_float32_tensor(vector)
         self.local_cache[token_bytes] = tensor
         return tensor
+
+    async def next_token_logprobs_numpy(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> np.ndarray:
+        """`next_token_logprobs` as a float32 numpy array: a program on numpy needs no torch."""
+        found, token_bytes = self._lookup(token_ids, lora_name)
+        if found is not None:
+            return as_array(found)
+        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        array = to_float32_array(vector)
+        self.local_cache[token_bytes] = array
+        return array
+
+    async def batch_next_token_logprobs_numpy(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> np.ndarray:
+        """`batch_next_token_logprobs` as a ``(len(list), vector_size)`` float32 array."""
+        rows = await asyncio.gather(
+            *(self.next_token_logprobs_numpy(ids, lora_name) for ids in token_ids_list)
+        )
+        return np.stack(rows) if rows else np.empty((0, self.vector_size), np.float32)
+
+    def _lookup(self, token_ids: Sequence[int], lora_name: str | None) -> tuple[Any, bytes]:
+        """Validate the prompt; its locally cached result (tensor or array) or None, its key."""
+        reject_adapter(lora_name)
+        ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
+        token_bytes = ids.astype("<i4").tobytes()
+        if token_bytes in self.local_cache:  # a miss through get() raises and catches KeyError
+            return self.local_cache[token_bytes], token_bytes
+        return None, token_bytes
 
     def clear_cache(self) -> None:
         """Forget locally cached results (the shared cache is left alone)."""

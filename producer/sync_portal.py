@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import Cancelled
 from shared.settings import ClientSettings
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SyncPortal", "SyncFacade"]
 

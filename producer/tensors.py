@@ -1,13 +1,22 @@
-"""`to_float32_tensor`: the tensor a caller gets from a vector as it came off the wire."""
+"""What a caller gets from a vector as it came off the wire: a float32 tensor, or an array.
+
+torch is imported on the first tensor made, not with this module: a program that asks only
+for numpy arrays (`QueueLM.next_token_logprobs_numpy`) never loads it (~200 MiB of RSS).
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
-import torch
 
 from shared.wire import cast_in_chunks
 
-__all__ = ["to_float32_tensor"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["to_float32_tensor", "to_float32_array", "as_tensor", "as_array"]
 
 
 def to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
@@ -19,6 +28,8 @@ def to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
     torch (F16C, in serial chunks: ~10 us against numpy's 69 us per 49,152 values,
     bit-identical), from writable memory only: torch warns on read-only memory.
     """
+    import torch
+
     if vector.dtype == _SINGLE and _NATIVE:
         if not vector.flags.writeable:
             vector = vector.copy()
@@ -33,6 +44,31 @@ def to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
         cast_in_chunks(out, half)
         return out
     return torch.from_numpy(vector.astype(np.float32))
+
+
+def to_float32_array(vector: np.ndarray) -> np.ndarray:
+    """A writable float32 array of the wire vector, taken over if writable (see above)."""
+    if vector.dtype == _SINGLE and _NATIVE:
+        return vector if vector.flags.writeable else vector.copy()
+    return vector.astype(np.float32)
+
+
+def as_tensor(value: Any) -> torch.Tensor:
+    """`value` (a result as cached: a tensor, or a writable float32 array) as a tensor."""
+    if isinstance(value, np.ndarray):
+        import torch
+
+        return torch.from_numpy(value)  # shares the memory, as a cached tensor would
+    return value
+
+
+def as_array(value: Any) -> np.ndarray:
+    """`value` (a tensor or an array, as cached) as a numpy array sharing its memory."""
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        array: np.ndarray = value.numpy()
+        return array
+    return np.asarray(value)
 
 
 _SINGLE, _HALF = np.dtype("<f4"), np.dtype("<f2")

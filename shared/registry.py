@@ -21,6 +21,7 @@ import msgpack
 
 from .errors import MalformedMessage, UnknownModel
 from .keys import KeySpace
+from .lm.light_tokenizer import LightTokenizer
 from .partitions import DEFAULT_BLOCK_TOKENS
 from .wire import WIRE_VERSION
 
@@ -169,6 +170,9 @@ def tokenizer_to_files(tokenizer: Any) -> dict[str, bytes]:
 def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None) -> Any:
     """Load a tokenizer from `tokenizer_to_files` output, via a content-addressed directory.
 
+    A fast tokenizer (one with ``tokenizer.json``) loads as a `LightTokenizer`, without
+    transformers or torch; any other through transformers' ``AutoTokenizer``.
+
     Safe to call from several threads and processes at once: transformers' lazy imports are
     not (two first imports in two threads can fail with ImportError), so this process's calls
     take turns; the directory is written under a temporary name and renamed into place, so a
@@ -181,8 +185,6 @@ def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None)
     base = cache_dir or Path(tempfile.gettempdir()) / "lmqueue-tokenizers"
     target = base / digest
     with _TOKENIZER_LOCK:
-        from transformers import AutoTokenizer
-
         if not target.is_dir():
             base.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=base))
@@ -192,6 +194,10 @@ def tokenizer_from_files(files: dict[str, bytes], cache_dir: Path | None = None)
                 staging.rename(target)
             except OSError:  # another process renamed its copy first: use that one
                 shutil.rmtree(staging, ignore_errors=True)
+        if (target / "tokenizer.json").is_file():  # a fast tokenizer: no transformers, no torch
+            return LightTokenizer(target)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(target))
 
 

@@ -147,3 +147,27 @@ def test_fairness_benchmark_reports_fair_share_beside_fifo(
     assert result["figures"]["weights"]["tokens_weight_2"] > 0
     assert (tmp_path / "fairness.png").stat().st_size > 0
     assert _last_line(capsys.readouterr().out).startswith("fairness: B's p99 under flood")
+
+
+def test_affinity_benchmark_counts_the_prompt_tokens_each_configuration_computed(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--programs 2 --particles 3 --steps 2 --prompt-tokens 20 --partitions 4 --docs-plot="
+    argv = ["affinity", "--model", str(tiny_model_dir), *flags.split(), "--out-dir", str(tmp_path)]
+    assert bench_main(argv) == 0
+    result = _result(tmp_path, "affinity")
+    for name, workers in (("single", 1), ("off", 2), ("on", 2)):
+        figures = result["figures"][name]
+        assert len(figures["per_worker"]) == figures["workers"] == workers
+        assert figures["calls"] >= 2 * 3  # every program's first step, at least
+        # each program's prompt was computed once at least, and nothing more than every call's
+        # whole prompt (20 tokens + at most 2 generated)
+        assert 2 * 20 <= figures["computed_tokens"] <= figures["calls"] * 22
+        assert sum(w["requests"] for w in figures["per_worker"]) > 0
+        assert figures["computed_per_call"] == pytest.approx(
+            figures["computed_tokens"] / figures["calls"], abs=1e-3
+        )
+    assert result["figures"]["on"]["partitions"] == 4
+    assert set(result["ratios"]) == {"on_tokens", "off_tokens", "on_calls_per_s", "off_calls_per_s"}
+    assert all(ratio > 0 for ratio in result["ratios"].values())
+    assert _last_line(capsys.readouterr().out).startswith("affinity ratio 2 workers/1 worker")

@@ -58,6 +58,47 @@ async def test_the_client_exposes_the_models_vocabulary(lm, smol_tokenizer, back
     assert lm.tokenizer.encode("a cat") == smol_tokenizer.encode("a cat")
 
 
+async def test_numpy_results_equal_the_tensors_and_share_the_local_cache(lm, backend):
+    arrays = await lm.batch_next_token_logprobs_numpy([[1, 2, 3], [4, 5]])
+    assert arrays.shape == (2, 49152) and arrays.dtype == np.float32
+    assert np.array_equal(arrays[0], backend.logprobs_of([1, 2, 3]).numpy())
+    tensor = await lm.next_token_logprobs([4, 5])  # cached as an array, handed out as a tensor
+    assert lm.stats["sent"] == 2
+    assert tensor.dtype == torch.float32 and np.array_equal(tensor.numpy(), arrays[1])
+    again = await lm.next_token_logprobs_numpy([4, 5])
+    assert np.array_equal(again, arrays[1]) and lm.stats["sent"] == 2
+
+
+async def test_float16_arrives_as_float32_arrays_too(worker, redis_url, backend):
+    async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype="float16") as lm:
+        out = await lm.next_token_logprobs_numpy([9, 8])
+    assert out.dtype == np.float32 and out.flags.writeable
+    assert np.abs(out - backend.logprobs_of([9, 8]).numpy()).max() < 0.01
+
+
+def test_a_client_process_on_numpy_never_imports_torch_or_transformers(worker, redis_url):
+    """A program that asks for arrays pays for neither (~250 MiB of RSS between them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, sys\n"
+        "from producer import QueueLM\n"
+        "async def main():\n"
+        "    async with await QueueLM.connect('mock', redis_url=sys.argv[1]) as lm:\n"
+        "        ids = lm.tokenizer.encode('a cat', add_special_tokens=False)\n"
+        "        rows = await lm.batch_next_token_logprobs_numpy([ids, ids + [5]])\n"
+        "        print(rows.shape[0], lm.tokenizer.decode(ids))\n"
+        "asyncio.run(main())\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, redis_url], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["2 a cat", "[]"]
+
+
 async def test_float16_on_the_wire_is_handed_out_as_float32(worker, redis_url, backend):
     async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype="float16") as lm:
         out = await lm.next_token_logprobs([9, 9])

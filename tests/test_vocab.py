@@ -158,3 +158,28 @@ def test_tokenizers_load_from_published_files_in_many_threads_at_once(tmp_path):
     assert done.stdout.split() == ["1", "49152"]
     assert [p.name for p in (tmp_path / "cache").iterdir()] != []
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+
+
+def test_the_light_tokenizer_answers_as_the_huggingface_one(tmp_path, smol_tokenizer):
+    """Same ids, texts, special tokens and vocabulary as transformers' tokenizer of the files."""
+    from shared.lm.light_tokenizer import LightTokenizer
+
+    smol_tokenizer.save_pretrained(tmp_path)
+    light = LightTokenizer(tmp_path)
+    texts = ["Hello, my name is", " a cat", "<|im_start|>user\nhé ☃ 日本<|im_end|>", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = smol_tokenizer.encode(text, add_special_tokens=special)
+            assert light.encode(text, add_special_tokens=special) == ids
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == smol_tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+    for name in ("bos", "eos", "pad", "unk"):
+        assert getattr(light, f"{name}_token_id") == getattr(smol_tokenizer, f"{name}_token_id")
+    assert len(light) == len(smol_tokenizer) and light.get_vocab() == smol_tokenizer.get_vocab()
+    assert decode_vocab(light) == decode_vocab(smol_tokenizer)
+    chat = [{"role": "user", "content": "hi"}]  # not its own: answered by the full tokenizer
+    assert light.apply_chat_template(chat, tokenize=False) == smol_tokenizer.apply_chat_template(
+        chat, tokenize=False
+    )

@@ -27,10 +27,12 @@ BENCHMARKS = {
     "programs": "lmqueue.bench.programs",
     "cluster": "lmqueue.bench.cluster",
     "fairness": "lmqueue.bench.fairness",
+    "affinity": "lmqueue.bench.affinity",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
 ALL_ORDER = [
     "transport", "cache", "scaling", "cluster", "fairness", "model", "memory", "trie", "programs",
+    "affinity",
 ]  # fmt: skip
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]

@@ -35,7 +35,7 @@ from shared.settings import ClientSettings, RedisSettings
 from shared.tenants import TenantConfig
 
 from .load import distinct_prompt, percentile
-from .report import DEFAULT_OUT_DIR, Report, command_parser
+from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure
 from .stack import connect_client, redis_server, wait_for_workers, worker_pool
 
 __all__ = ["add_arguments", "run", "main", "plot"]
@@ -246,11 +246,7 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     ax.set_title("One worker, tenant A flooding (2,000 in flight), B with 16 in flight", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

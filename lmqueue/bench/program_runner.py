@@ -44,7 +44,7 @@ async def _lmqueue(args: argparse.Namespace) -> dict[str, Any]:
 
     async with await QueueLM.connect(args.model, redis_url=args.redis_url) as lm:
         workload = _workload(args, lm.tokenizer, [bytes(t) for t in lm.byte_vocab])
-        await lm.next_token_logprobs(workload.prompt)  # what cache_kv gives the other side
+        await lm.next_token_logprobs_numpy(workload.prompt)  # what cache_kv gives the other side
         figures = await _timed(workload, lm)
         figures["client_stats"] = lm.stats
         return figures
@@ -81,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=1)
     args = parser.parse_args(argv)
-    import torch
+    if args.side == "genlm":  # the client side never imports torch (see QueueLM)
+        import torch
 
-    torch.set_num_threads(args.torch_threads)
+        torch.set_num_threads(args.torch_threads)
     run = _genlm if args.side == "genlm" else _lmqueue
     figures = asyncio.run(run(args))
     figures["peak_rss_bytes"] = vm_hwm(os.getpid())
+    figures["imported"] = sorted(m for m in ("torch", "transformers") if m in sys.modules)
     print(json.dumps(figures), flush=True)
     return 0
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "machine_info", "command_parser", "DEFAULT_OUT_DIR"]
+__all__ = ["Report", "machine_info", "command_parser", "save_figure", "DEFAULT_OUT_DIR"]
 
 DEFAULT_OUT_DIR = Path("bench-results")
 
@@ -31,6 +31,17 @@ def command_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
         description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Write a matplotlib figure to `path` (its folder made) and release it."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def machine_info() -> dict[str, Any]:

@@ -25,7 +25,7 @@ from producer import QueueLM
 from shared.settings import ClientSettings, RedisSettings
 
 from .load import Window, closed_loop, distinct_prompt
-from .report import DEFAULT_OUT_DIR, Report, command_parser
+from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure
 from .stack import (
     CpuMeter,
     add_workers,
@@ -173,11 +173,7 @@ def plot(per_s: dict[int, float], ceiling_per_worker: float, path: Path) -> Path
     )
     ax.grid(alpha=0.3)
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

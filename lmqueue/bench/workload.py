@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from ..smc import SMCResult, lipogram_mask, run_smc
 
@@ -48,7 +48,7 @@ class Workload:
     """One SMC configuration, run identically against any ``batch_next_token_logprobs``."""
 
     prompt: list[int]
-    allowed: torch.Tensor
+    allowed: np.ndarray
     eos_token_ids: Sequence[int]
     particles: int = 16
     steps: int = 24

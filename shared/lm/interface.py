@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shared.lm.tokens import Token
 from shared.lm.validation import check_prompt
 from shared.lm.vocab import decode_vocab
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a client may never need it
+    import torch
 
 __all__ = ["AsyncLM"]
 
@@ -87,6 +88,8 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Log-probabilities for each prompt, stacked into a ``(len(list), vector_size)`` tensor."""
+        import torch
+
         rows = await asyncio.gather(
             *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in token_ids_list)
         )
@@ -96,6 +99,8 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Synchronous `batch_next_token_logprobs`."""
+        import torch
+
         return torch.stack(
             [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
         )
@@ -116,4 +121,6 @@ class AsyncLM(ABC):
     @staticmethod
     def _as_logprobs(logits: torch.Tensor) -> torch.Tensor:
         """Normalize one row of logits to float32 log-probabilities on the CPU."""
+        import torch
+
         return torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()

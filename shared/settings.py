@@ -175,8 +175,8 @@ class WorkerSettings:
     partitions: int = 1
     #: Leading prompt tokens whose hash chooses a partition (published to clients).
     partition_block_tokens: int = DEFAULT_BLOCK_TOKENS
-    #: How long a worker's own partitions must stay empty before it takes from others'.
-    steal_after_ms: int = 100
+    #: How long an entry waits in another owner's partition before an idle worker takes it.
+    steal_after_ms: int = 500
     #: glibc serves blocks from this size by mmap, so freed ones leave the process (0: glibc's
     #: own moving threshold: faster on CPU, but RSS creeps past the memory bounds).
     malloc_mmap_threshold: int = 128 << 10

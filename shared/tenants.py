@@ -224,7 +224,7 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     """
     every = KeyPatterns(prefix, "*")
     stream_commands = [
-        "+xreadgroup", "+xack", "+xdel", "+xclaim", "+xautoclaim", "+xpending", "+xlen",
+        "+xreadgroup", "+xack", "+xdel", "+xclaim", "+xautoclaim", "+xpending", "+xlen", "+xrange",
         "+xinfo|consumers", "+xinfo|groups", "+xinfo|stream",
         "+xgroup|create", "+xgroup|createconsumer", "+xgroup|delconsumer",
         "+evalsha", "+eval",

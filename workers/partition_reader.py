@@ -7,13 +7,16 @@ seconds) and reads:
 
 1. its own partitions, every tenant's streams of a partition in one XREADGROUP (they share the
    ``{<model>:<p>}`` slot; on a single instance all of them in one);
-2. when those stayed empty for `steal_after_ms` while the worker was idle (no batch in the
-   backend or waiting in its scheduler), the other partitions, one at a time in rotating
-   order until one yields (work stealing). Waiting first keeps a lineage on its owner while
-   the owner keeps up: in a steady SMC workload the owner's next calls arrive within
-   milliseconds of its replies, so a worker that is merely between batches, or reading ahead
-   during a forward, steals nothing; a dead owner's partitions, a hot partition and the tail
-   of a run are shared.
+2. when those are empty and the worker is idle (no batch in the backend or waiting in its
+   scheduler), the partition of another owner whose oldest waiting entry has waited at least
+   `steal_after_ms` (work stealing; the age is the entry id's clock against this host's, as
+   in the queue-wait metric). Stealing by age, not by the thief's idleness, keeps a lineage
+   on its owner while the owner keeps up: an owner that is busy but serving its partitions
+   within `steal_after_ms` loses nothing to a worker that happens to be idle (a stolen
+   particle recomputes its whole prompt on the thief), while a dead owner's partitions
+   (until the heartbeats rebalance them) and a hot partition, whose entries wait longer, are
+   shared. An idle worker looks at the others' ages at most every quarter of
+   `steal_after_ms` (one pipeline of XINFO GROUPS, one of XRANGE).
 
 The consumer group still delivers each entry once, whoever reads it, so two workers briefly
 disagreeing about ownership (heartbeats seen at different times) costs affinity, never
@@ -28,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.connections import is_cluster
+from shared.connections import execute_pipeline, is_cluster
 from shared.errors import SettingsError
 from shared.keys import WORKER_GROUP
 from shared.partitions import owned_partitions
@@ -68,8 +71,7 @@ class PartitionReader:
         #: Entries taken from partitions this worker does not own.
         self.stolen = 0
         self._cluster = is_cluster(redis)
-        self._own_empty_since: float | None = None
-        self._rotation = 0
+        self._next_look = 0.0
 
     async def refresh_owners(self) -> None:
         """Recompute the partitions this worker owns from the live workers' heartbeats."""
@@ -112,10 +114,10 @@ class PartitionReader:
     ) -> list[tuple[Lane, Entry]]:
         """Up to `count` new entries from each of `lanes`, owned partitions first.
 
-        Others' partitions are read only once the owned ones stayed empty for
-        `steal_after_ms` while the worker was `idle` (nothing picked or waiting): a worker
-        reading ahead during a forward steals nothing. Returns within about `block_ms` (None:
-        without blocking).
+        While the worker is `idle` (nothing picked or waiting) and its own partitions are
+        empty, it takes from another partition whose oldest waiting entry has waited
+        `steal_after_ms` (`_steal`); a worker reading ahead during a forward steals nothing.
+        Returns within about `block_ms` (None: without blocking).
         """
         if not lanes:
             return []
@@ -124,41 +126,42 @@ class PartitionReader:
         own = [lane for lane in lanes if lane.partition in self.owned]
         others = [lane for lane in lanes if lane.partition not in self.owned]
         if not idle:
-            self._own_empty_since = None
             return await self._read(own, count, block_ms) if own else []
         if own and (read := await self._read(own, count, None)):
-            self._own_empty_since = None
             return read
-        now = time.monotonic()
-        since = self._own_empty_since = self._own_empty_since or now
-        waited_ms = (now - since) * 1000
-        if waited_ms < self.steal_after_ms:
-            if block_ms is None:
-                return []
-            wait_ms = max(int(min(block_ms, self.steal_after_ms - waited_ms)), 1)
-            if not own:
-                await asyncio.sleep(wait_ms / 1000)
-            elif read := await self._read(own, count, wait_ms):
-                self._own_empty_since = None
-                return read
-            if (time.monotonic() - since) * 1000 < self.steal_after_ms:
-                return []
-        stolen = await self._steal(others, count)
-        self.stolen += len(stolen)
-        if stolen and self.metrics is not None:
-            self.metrics.observe_partitions(len(self.owned), len(stolen))
-        return stolen
+        if stolen := await self._steal(others, count):
+            self.stolen += len(stolen)
+            if self.metrics is not None:
+                self.metrics.observe_partitions(len(self.owned), len(stolen))
+            return stolen
+        if block_ms is None:
+            return []
+        wait_ms = max(min(block_ms, self._check_every_ms()), 1)  # then look at others again
+        if own:
+            return await self._read(own, count, wait_ms)
+        await asyncio.sleep(wait_ms / 1000)
+        return []
+
+    def _check_every_ms(self) -> int:
+        """How often an idle worker looks at the other partitions' waiting entries."""
+        return max(self.steal_after_ms // 4, _POLL_MS)
 
     async def _steal(self, others: Sequence[Lane], count: int) -> list[tuple[Lane, Entry]]:
-        """Entries of the first other partition holding any, starting from a rotating one."""
-        groups = _by_partition(others)
-        if not groups:
+        """Entries of the other partition whose oldest waiting entry waited longest, if that
+        is at least `steal_after_ms` (at most one look every `_check_every_ms`; with 0, any
+        waiting entry qualifies and every call looks: burst mode drains every partition)."""
+        now = time.monotonic()
+        if not others or (self.steal_after_ms and now < self._next_look):
             return []
-        self._rotation = (self._rotation + 1) % len(groups)
-        for group in groups[self._rotation :] + groups[: self._rotation]:
-            if read := await self._read(group, count, None):
-                return read
-        return []
+        self._next_look = now + self._check_every_ms() / 1000
+        waiting = await oldest_waiting_ms(self.redis, others)
+        if not waiting:
+            return []
+        oldest_ms, partition = min((ms, lane.partition or 0) for lane, ms in waiting)
+        if time.time() * 1000 - oldest_ms < self.steal_after_ms:
+            return []
+        victims = [lane for lane in others if lane.partition == partition]
+        return await self._read(victims, count, None)
 
     async def _read(
         self, lanes: Sequence[Lane], count: int, block_ms: int | None
@@ -201,6 +204,35 @@ class PartitionReader:
                     key = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     read.append((lane, Entry(key, fields)))
         return read
+
+
+async def oldest_waiting_ms(redis: Any, lanes: Sequence[Lane]) -> list[tuple[Lane, int]]:
+    """For each of `lanes` with entries not yet delivered, when its oldest one was added (the
+    ms part of its id, Redis's clock): the group's last-delivered id, then the entry after it."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for lane in lanes:
+            pipe.xinfo_groups(lane.stream.stream)
+        infos = await execute_pipeline(pipe, raise_on_error=False)
+    behind: list[tuple[Lane, str]] = []
+    for lane, groups in zip(lanes, infos, strict=True):
+        for group in groups if isinstance(groups, list) else []:
+            if _text(group["name"]) == WORKER_GROUP and group.get("lag") != 0:  # None: unknown
+                behind.append((lane, _text(group["last-delivered-id"])))
+    if not behind:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for lane, last_id in behind:
+            pipe.xrange(lane.stream.stream, min=f"({last_id}", max="+", count=1)
+        firsts = await execute_pipeline(pipe, raise_on_error=False)
+    return [
+        (lane, int(_text(first[0][0]).partition("-")[0]))
+        for (lane, _), first in zip(behind, firsts, strict=True)
+        if isinstance(first, list) and first
+    ]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _by_partition(lanes: Sequence[Lane]) -> list[list[Lane]]:

@@ -111,6 +111,7 @@ def _configuration(
                 env["LMQ_STEAL_AFTER_MS"] = str(args.steal_after_ms)
             add_workers(workers, 1, env=env, **spec)
         asyncio.run(wait_for_workers(server.url, args.model, workers))
+        _wait_for_ownership(ports, partitions if partitions > 1 else 0)
         before = [scrape_tokens(port) for port in ports]
         meter = CpuMeter({"workers": [w.pid for w in workers]})
         meter.start()
@@ -120,6 +121,7 @@ def _configuration(
     per_worker = [{k: a[k] - b.get(k, 0) for k in a} for a, b in zip(after, before, strict=True)]
     calls = figures["calls"]
     computed = int(sum(w["computed"] for w in per_worker))
+    stolen = int(sum(w["stolen"] for w in per_worker))
     reused = int(sum(w["reused"] for w in per_worker))
     return {
         **figures,
@@ -128,6 +130,7 @@ def _configuration(
         "computed_tokens": computed,
         "reused_tokens": reused,
         "computed_per_call": round(computed / calls, 3),
+        "stolen_entries": stolen,
         "worker_cpu_ms_per_call": round(figures["worker_cpu_s"] * 1000 / calls, 2),
         "per_worker": per_worker,
     }
@@ -186,14 +189,29 @@ def scrape_tokens(port: int, timeout_s: float = 30.0) -> dict[str, float]:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    out = {"computed": 0.0, "reused": 0.0, "requests": 0.0}
+    out = {"computed": 0.0, "reused": 0.0, "requests": 0.0, "stolen": 0.0, "owned": 0.0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "lmq_tokens_total" and sample.labels.get("kind") in out:
                 out[sample.labels["kind"]] += sample.value
             elif sample.name == "lmq_requests_total":
                 out["requests"] += sample.value
+            elif sample.name == "lmq_stolen_entries_total":
+                out["stolen"] += sample.value
+            elif sample.name == "lmq_partitions_owned":
+                out["owned"] = sample.value
     return out
+
+
+def _wait_for_ownership(ports: Sequence[int], partitions: int, timeout_s: float = 30) -> None:
+    """Wait until the workers' owned partitions add up to `partitions` (0: nothing to wait
+    for): a worker that started alone owns everything until its next refresh sees the other,
+    and calls sent meanwhile would start lineages on either."""
+    deadline = time.monotonic() + timeout_s
+    while partitions and sum(scrape_tokens(port)["owned"] for port in ports) != partitions:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"partition ownership did not settle in {timeout_s} s")
+        time.sleep(0.2)
 
 
 def _line(name: str, f: dict[str, Any]) -> str:
@@ -203,7 +221,7 @@ def _line(name: str, f: dict[str, Any]) -> str:
         f"{f['computed_per_call']:6.2f} prompt tokens computed per call ({f['computed_tokens']} "
         f"computed, {f['reused_tokens']} reused, {f['calls']} calls), {f['calls_per_s']:6.1f} "
         f"calls/s, worker CPU {f['worker_cpu_ms_per_call']:.1f} ms/call, requests by worker "
-        f"{shares}"
+        f"{shares}, {f['stolen_entries']} stolen"
     )
 
 

@@ -1,7 +1,7 @@
 """Late binding: a worker picks its next batch only when the backend is done with the last.
 
-A worker reads and queues requests ahead of the backend, but its `FairShare` scheduler picks
-the next batch's members only when the backend is about to be done with the previous batch
+A worker's `FairShare` scheduler picks the next batch's members (reading its streams just
+before) only when the backend is about to be done with the previous batch
 (`BackendSlot`: a fifth of a forward before its expected end). Picked earlier (a whole
 forward ahead, as a plain prefetch does), a batch's membership is fixed before requests
 arriving meanwhile could join it: a light tenant's request arriving during one forward would

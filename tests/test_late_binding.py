@@ -70,10 +70,13 @@ async def test_a_request_arriving_during_a_forward_joins_the_next_forward(
     backend = RecordingLM(smol_tokenizer)
     worker = ThreadedWorker(backend, tenants.worker_user()).start()
     try:
+        deadline = time.monotonic() + 15
+        _xadd(redis_url, "flood", [[3, 3]])  # one forward first: the worker measures it
+        while not backend.forward_of and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         flood = [[1, n] for n in range(4 * 32)]  # four batches of the default 32
         _xadd(redis_url, "flood", flood)
-        deadline = time.monotonic() + 10
-        while not backend.calls and time.monotonic() < deadline:  # the first forward began
+        while backend.calls < 2 and time.monotonic() < deadline:  # the next forward began
             await asyncio.sleep(0.01)
         await asyncio.sleep(FORWARD_S / 4)
         _xadd(redis_url, "light", [[2, 2, 2]])
@@ -81,8 +84,8 @@ async def test_a_request_arriving_during_a_forward_joins_the_next_forward(
             await asyncio.sleep(0.05)
     finally:
         worker.stop()
-    assert backend.forward_of[(2, 2, 2)] == 2
-    assert backend.batch_sizes[:2] == [32, 32]  # the worker batched no less for it
+    assert backend.forward_of[(2, 2, 2)] == 3  # the forward after the one it arrived in
+    assert backend.batch_sizes[:3] == [1, 32, 32]  # the worker batched no less for it
 
 
 def test_the_backend_slot_is_free_only_when_every_holder_released() -> None:
@@ -99,16 +102,17 @@ def test_the_next_batch_is_picked_a_fifth_of_a_forward_before_the_backend_is_don
     now = [0.0]
     slot = BackendSlot(clock=lambda: now[0])
     assert slot.pick_in_s() == 0.0
-    release = slot.hold()
-    assert slot.pick_in_s() is None  # no estimate yet: until this batch is through
-    now[0] = 1.0
-    release()
-    assert slot.forward_s == 1.0 and slot.pick_in_s() == 0.0
-    slot.hold()
-    now[0] = 1.5
-    assert slot.pick_in_s() == pytest.approx((1 - PICK_LEAD) - 0.5)
+    first = slot.hold()
+    assert slot.pick_in_s() == 0.0  # no estimate yet: one batch ahead, as a prefetch
     slot.hold()
     assert slot.pick_in_s() is None  # a batch waits for the backend already
+    now[0] = 1.0
+    first()
+    assert slot.forward_s == 1.0
+    now[0] = 1.5
+    assert slot.pick_in_s() == pytest.approx((1 - PICK_LEAD) - 0.5)
+    now[0] = 2.0
+    assert slot.pick_in_s() == 0.0
 
 
 async def test_the_parts_of_a_batch_call_the_backend_together() -> None:

@@ -1,7 +1,7 @@
 """Late binding: a worker picks its next batch only when the backend is done with the last.
 
-A worker reads and queues requests ahead of the backend, but its `FairShare` scheduler picks
-the next batch's members only when the backend is about to be done with the previous batch
+A worker's `FairShare` scheduler picks the next batch's members (reading its streams just
+before) only when the backend is about to be done with the previous batch
 (`BackendSlot`: a fifth of a forward before its expected end). Picked earlier (a whole
 forward ahead, as a plain prefetch does), a batch's membership is fixed before requests
 arriving meanwhile could join it: a light tenant's request arriving during one forward would
@@ -55,10 +55,16 @@ class BackendSlot:
         return self._held > 0
 
     def pick_in_s(self) -> float | None:
-        """Seconds until the next batch may be picked: 0 now, None until a release."""
+        """Seconds until the next batch may be picked: 0 now, None until a release.
+
+        Before any forward was measured, one batch may wait at the backend behind the one it
+        runs (a batch of cache hits, say, need not wait for a first long forward at all).
+        """
         if not self._held:
             return 0.0
-        if self._held > 1 or not self.forward_s:
+        if not self.forward_s:  # nothing measured yet: one batch ahead, as a prefetch
+            return 0.0 if self._held == 1 else None
+        if self._held > 1:
             return None
         return max(self._since + (1 - PICK_LEAD) * self.forward_s - self.clock(), 0.0)
 

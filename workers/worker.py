@@ -8,12 +8,14 @@ with its tenant's keys (replies, cache namespace, acknowledgements), concurrentl
 batches concurrent calls into one forward.
 
 The loop hands each batch to a task, keeping at most `prefetch` batches in flight. While the
-backend computes one batch (off the loop, on its own thread or device), the loop reads ahead
-into the scheduler, but the scheduler picks the next batch only when the backend is about to
-be done with the current one (`late_binding`): requests arriving meanwhile can still join it,
-and replying to one batch overlaps the next one's forward. Beside the read loop run the
-`Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries abandoned by
-dead workers.
+backend computes one batch (off the loop, on its own thread or device), the loop waits; it
+reads and picks the next batch only when the backend is about to be done with the current one
+(`late_binding`), so requests arriving meanwhile can still join it; the batch is decoded and
+looked up in the cache while the forward ends, and replying to one batch overlaps the next
+one's forward. Entries are read only just before they are picked: read and left waiting in
+the scheduler through a long forward, they would pass the claim timeout unattended. Beside
+the read loop run the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that
+reclaims entries abandoned by dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -225,13 +227,12 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                if self.slot.pick_in_s() != 0.0:  # read ahead; pick when the backend is
-                    await bounded(self._read_into_scheduler(None), self._stall_s, "read ahead")
-                    await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)  # about to be done
+                if self.slot.pick_in_s() != 0.0:  # pick when the backend is about to be done
+                    await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)
                     continue
                 picks = await bounded(
                     self._read_batch(block_ms=_IDLE_BLOCK_MS),
-                    _IDLE_BLOCK_MS / 1000 + self._stall_s,
+                    _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
                     "request read",
                 )
             except REDIS_TROUBLE as exc:
@@ -248,10 +249,6 @@ class Worker:
         self._inflight.add(task)
         task.add_done_callback(lambda _: release())  # a failed batch releases it too
         task.add_done_callback(self._batch_done)
-
-    @property
-    def _stall_s(self) -> float:
-        return self.settings.redis.stall_timeout_s
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         """Forget a finished batch task; a failure leaves its entries pending for the janitor."""

@@ -273,7 +273,9 @@ def test_watch_refreshes_until_interrupted(redis_url) -> None:
                 assert time.monotonic() < deadline and watcher.poll() is None, lines
                 lines.append(watcher.stdout.readline().decode())
             watcher.send_signal(signal.SIGINT)
-            assert watcher.wait(30) == 0
+            rest, _ = watcher.communicate(timeout=30)  # reading on: a full pipe blocks its print
+            lines.append(rest.decode())
+            assert watcher.returncode == 0
         finally:
             watcher.kill()
     assert "\x1b[2J" in "".join(lines)  # each refresh clears the screen

@@ -23,6 +23,14 @@ from .harness import KEYS, MODEL, Figures
 WORKER_ENV = {"LMQ_HEARTBEAT_S": "0.5", "LMQ_LOG_LEVEL": "INFO"}
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of this directory `scenario`: `make test` leaves them to CI."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.scenario)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Keep each phase's report on the item, so fixtures can tell a failed test."""

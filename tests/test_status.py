@@ -265,7 +265,13 @@ def test_watch_refreshes_until_interrupted(redis_url) -> None:
     command = [sys.executable, "-m", "lmqueue", "status", "--watch", "--interval", "0.1",
                "--redis-url", redis_url]  # fmt: skip
     lines: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, env=env) as watcher:
+
+    def default_sigint() -> None:  # a child inherits an ignored SIGINT, and then ignores ^C
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, env=env, preexec_fn=default_sigint
+    ) as watcher:
         try:
             assert watcher.stdout is not None
             deadline = time.monotonic() + 60

@@ -73,12 +73,16 @@ class PartitionReader:
         self._cluster = is_cluster(redis)
         self._next_look = 0.0
 
+    @property
+    def _live_within_s(self) -> float:
+        """A worker is live while its last heartbeat is younger than three heartbeats."""
+        return max(3 * self.settings.heartbeat_s, 1.0)
+
     async def refresh_owners(self) -> None:
         """Recompute the partitions this worker owns from the live workers' heartbeats."""
         if self.count <= 1:
             return
-        within_s = max(3 * self.settings.heartbeat_s, 1.0)
-        live = await self.registry.live_workers(self.settings.model, within_s)
+        live = await self.registry.live_workers(self.settings.model, self._live_within_s)
         owned = owned_partitions(self.settings.name, live, self.count)
         if owned != self.owned:
             logger.info("owning partitions %s of %d (%d live workers)", sorted(owned),
@@ -100,8 +104,7 @@ class PartitionReader:
         published = (await self.registry.info(name)).partitions
         if published == self.count:
             return
-        within_s = max(3 * self.settings.heartbeat_s, 1.0)
-        others = sorted(set(await self.registry.live_workers(name, within_s)) - {me})
+        others = sorted(set(await self.registry.live_workers(name, self._live_within_s)) - {me})
         if others:
             raise SettingsError(
                 f"partitions={self.count}, but live workers of {name} ({', '.join(others[:3])}) "

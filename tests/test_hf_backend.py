@@ -23,7 +23,7 @@ from shared.errors import (
 )
 from shared.lm.vocab import decode_vocab
 from workers.backends import AsyncTransformer
-from workers.backends.padded_batch import Row, _attention_mask, _inputs
+from workers.backends.padded_batch import Row, _attention_mask, _inputs, kv_argument
 
 TOLERANCE = 1e-4
 
@@ -68,7 +68,7 @@ def forward_shapes(tiny_model: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator
 
     @functools.wraps(original)
     def recording(*args: Any, **kwargs: Any) -> Any:
-        past = kwargs.get("past_key_values")
+        past = kwargs.get(kv_argument(tiny_model))
         past_len = past.get_seq_length() if past is not None else 0
         shapes.append((*kwargs["input_ids"].shape, past_len))
         return original(*args, **kwargs)

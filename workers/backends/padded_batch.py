@@ -37,6 +37,7 @@ __all__ = [
     "Output",
     "Row",
     "forward_options",
+    "kv_argument",
     "model_error",
     "padded_forward",
     "plain_forward",
@@ -82,6 +83,23 @@ def forward_options(model: Any) -> dict[str, Any]:
     """``logits_to_keep=1`` where the model takes it: only the last position's logits."""
     takes = "logits_to_keep" in inspect.signature(model.forward).parameters
     return {"logits_to_keep": 1} if takes else {}
+
+
+def kv_argument(model: Any) -> str:
+    """The name under which `model`'s forward takes and returns its KV cache.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns and goes in
+    5.40); older releases know only ``past_key_values``. The forward's own signature says which
+    (``inspect.signature`` follows the deprecation decorator to the real function), and the
+    output field carries the same name, so this is the one place that decides.
+    """
+    return _kv_argument_of(type(model))
+
+
+@functools.cache
+def _kv_argument_of(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def model_error(exc: BaseException) -> ModelError:
@@ -153,18 +171,19 @@ def padded_forward(
     width_new = max(len(row.new_tokens) for row in rows)
     ids, positions, real = _inputs(rows, width_past, width_new)
     past = _past_cache(rows, width_past, width_new) if keep_kv else None
+    kv_name = kv_argument(model)
     output = model(
         input_ids=ids.to(device),
         attention_mask=_attention_mask(model, real.to(device), width_past, width_new),
         position_ids=positions.to(device),
-        past_key_values=past,
         use_cache=keep_kv,
+        **{kv_name: past},
         **forward_kwargs,
     )
     logprobs = torch.log_softmax(output.logits[:, -1].to(torch.float32), dim=-1).cpu()
     if not keep_kv:
         return logprobs, [None] * len(rows)
-    return logprobs, _new_segments(output.past_key_values, rows, width_past)
+    return logprobs, _new_segments(getattr(output, kv_name), rows, width_past)
 
 
 def _inputs(rows: list[Row], width_past: int, width_new: int) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,7 @@ import argparse
 import asyncio
 import sys
 
-from shared.failures import report_failure
+from shared.failures import ArgumentParser, report_failure
 from shared.settings import ClientSettings
 
 __all__ = ["main", "build_parser"]
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import demo, experiments_cli, status, tenants
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(_VERBOSE, action="store_true", help="show tracebacks of failures")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from producer import QueueLM
 from shared.errors import ModelError, UnknownModel
+from shared.failures import configure_logging
 from shared.settings import configured_redis_url
 
 from .local_redis import LocalRedis
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     import torch
 
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s %(message)s")
     # This process only samples; a team of spinning OpenMP threads would take the cores the
     # worker computes on (see README, "Client processes").
     torch.set_num_threads(1)

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from shared.connections import connect_async_redis
 from shared.errors import SettingsError
-from shared.failures import report_failure
+from shared.failures import ArgumentParser, configure_logging, report_failure
 from shared.redis_errors import redis_boundary
+from shared.redis_roles import connect_redis_roles
 from shared.settings import RedisSettings, WorkerSettings
 
 from .backend_loader import load_backend
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The worker's flags; each overrides the LMQ_* variable of the same name."""
-    parser = parser or argparse.ArgumentParser(prog="lmq worker", description=__doc__)
+    parser = parser or ArgumentParser(prog="lmq worker", description=__doc__)
     parser.add_argument("--model", help="model alias, directory or hub id (LMQ_MODEL)")
     parser.add_argument("--backend", choices=["hf", "mock", "vllm", "sgl"], help="(LMQ_BACKEND)")
     parser.add_argument("--redis-url", help="queue Redis (LMQ_REDIS_URL or REDIS_URL)")
@@ -116,26 +116,23 @@ async def _probes(
 async def _serve(
     settings: WorkerSettings, stop: asyncio.Event, metrics: WorkerMetrics, health: HealthState
 ) -> None:
+    roles = await connect_redis_roles(settings.redis)  # first: a wrong password fails at once
     logger.info("loading %s backend for %s", settings.backend, settings.model)
-    backend = await asyncio.to_thread(load_backend, settings)
-    redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
-    cache_redis = None
-    if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-        cache_redis = await connect_async_redis(
-            settings.redis.cache_url, settings.redis.connect_timeout_s
-        )
     try:
-        with redis_boundary(f"worker {settings.name}"):
+        backend = await asyncio.to_thread(load_backend, settings)
+    except BaseException:
+        await roles.aclose()
+        raise
+    try:
+        with redis_boundary(f"worker {settings.name}", settings.redis.url):
             worker = Worker(
-                settings, backend, redis, cache_redis, masses=_masses(backend), metrics=metrics,
-                health=health,
+                settings, backend, roles.queue, roles.cache if roles.separate else None,
+                masses=_masses(backend), metrics=metrics, health=health,
             )  # fmt: skip
             await worker.serve(stop)
     finally:
         await backend.aclose()
-        await redis.aclose()
-        if cache_redis is not None:
-            await cache_redis.aclose()
+        await roles.aclose()
         logger.info("worker %s stopped", settings.name)
 
 
@@ -178,10 +175,7 @@ def main(argv: list[str] | None = None, verbose: bool = False) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-        logging.basicConfig(
-            level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        )
+        configure_logging(settings.log_level.upper())
         if settings.malloc_mmap_threshold:  # before the model's weights are allocated
             return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
         asyncio.run(run_worker(settings))

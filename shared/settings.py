@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_MAX_WAIT_MS",
     "configured_redis_url",
     "configured_control_url",
+    "redis_url_source",
     "model_cache_dir",
     "url_user",
     "mask_url",
@@ -68,6 +69,18 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     return environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL") or None
 
 
+def redis_url_source(flag: str | None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The queue URL a command uses and where it came from: the flag, ``LMQ_REDIS_URL``,
+    ``REDIS_URL``, or the default (which a command says it fell back to)."""
+    environ = os.environ if environ is None else environ
+    if flag:
+        return flag, "--redis-url"
+    for key in ("LMQ_REDIS_URL", "REDIS_URL"):
+        if environ.get(key):
+            return environ[key], key
+    return DEFAULT_REDIS_URL, "default"
+
+
 def configured_control_url(environ: Mapping[str, str] | None = None) -> str | None:
     """The scheduler's control-plane URL set in the environment (``LMQ_CONTROL_URL``), else None."""
     environ = os.environ if environ is None else environ
@@ -81,9 +94,7 @@ def url_user(url: str) -> str | None:
 
 
 #: The password part of a URL's userinfo: ``scheme://user:PASSWORD@`` (user may be empty).
-_PASSWORD = re.compile(
-    r"(\b[a-z][a-z0-9+.-]*://[^:@/\s]*):((?:(?!://)[^\s])*)@", re.IGNORECASE
-)
+_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:@/\s]*):((?:(?!://)[^\s])*)@", re.IGNORECASE)
 
 
 def mask_secrets(text: str) -> str:

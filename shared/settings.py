@@ -41,6 +41,7 @@ __all__ = [
     "configured_redis_url",
     "configured_control_url",
     "redis_url_source",
+    "configured_metrics_host",
     "model_cache_dir",
     "url_user",
     "mask_url",
@@ -79,6 +80,13 @@ def redis_url_source(flag: str | None, environ: Mapping[str, str] | None = None)
         if environ.get(key):
             return environ[key], key
     return DEFAULT_REDIS_URL, "default"
+
+
+def configured_metrics_host(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The address probes and metrics listen on: the flag, ``LMQ_METRICS_HOST``, else
+    loopback (metrics name tenants and models; containers set 0.0.0.0)."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get("LMQ_METRICS_HOST") or "127.0.0.1"
 
 
 def configured_control_url(environ: Mapping[str, str] | None = None) -> str | None:
@@ -256,6 +264,8 @@ class WorkerSettings:
     log_level: str = "INFO"
     #: Port of /metrics, /healthz and /readyz (0: no server).
     metrics_port: int = 0
+    #: Address they listen on: loopback unless set (containers: 0.0.0.0, for the kubelet).
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.model:

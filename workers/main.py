@@ -56,6 +56,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="serve /metrics, /healthz and /readyz on this port (LMQ_METRICS_PORT; 0: off)",
     )  # fmt: skip
     parser.add_argument(
+        "--metrics-host",
+        help="address of that server (LMQ_METRICS_HOST; default 127.0.0.1, 0.0.0.0: all)",
+    )
+    parser.add_argument(
         "--partitions", type=int,
         help="request stream partitions for prefix affinity, the same on every worker of the "
         "model (LMQ_PARTITIONS; 1: one stream)",
@@ -75,7 +79,7 @@ def settings_from_args(
         redis = replace(redis, cache_url=args.cache_url)
     overrides: dict[str, Any] = {"redis": redis}
     names = ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level",
-             "metrics_port", "partitions")  # fmt: skip
+             "metrics_port", "metrics_host", "partitions")  # fmt: skip
     for name in names:
         value = getattr(args, name)
         if value is not None:
@@ -109,7 +113,8 @@ async def _probes(
     if not settings.metrics_port:
         yield
         return
-    async with HealthServer(health, metrics.registry, port=settings.metrics_port):
+    server = HealthServer(health, metrics.registry, settings.metrics_host, settings.metrics_port)
+    async with server:
         yield
 
 

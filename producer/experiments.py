@@ -26,8 +26,10 @@ from urllib.parse import unquote, urlsplit
 
 from shared.connections import async_redis, connect_async_redis
 from shared.errors import BadRequest, InvalidName, UnknownExperiment
+from shared.experiment_kinds import BUILTIN_KIND_SPECS, check_params, decode_catalog
 from shared.keys import KeySpace
 from shared.redis_errors import redis_boundary
+from shared.registry import ModelRegistry
 from shared.settings import RedisSettings
 
 __all__ = [
@@ -236,6 +238,7 @@ class Experiments:
         encoded = json.dumps(dict(params or {}), separators=(",", ":"))
         with redis_boundary(f"submitting experiment {experiment_id!r}"):
             await self._connected()
+            await self.check(kind, params or {}, model)
             if not await self.redis.hsetnx(record, "submitted_ms", now_ms):
                 return experiment_id  # the same id runs once
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -253,6 +256,31 @@ class Experiments:
                 pipe.xadd(self.keys.experiment_inbox(), {"id": experiment_id})
                 await pipe.execute()
         return experiment_id
+
+    async def check(self, kind: str, params: Mapping[str, Any], model: str = "") -> None:
+        """Refuse what cannot run: a kind no scheduler runs, parameters it does not take (by
+        name and type), a model no worker publishes.
+
+        Raises:
+            BadRequest: naming the kind or parameter.
+            UnknownModel: naming the models served.
+        """
+        raw = await self.redis.get(self.keys.experiment_kinds())
+        catalog = decode_catalog(raw) if raw else BUILTIN_KIND_SPECS
+        spec = catalog.get(kind)
+        if spec is None:
+            known = ", ".join(sorted(catalog))
+            where = "the schedulers run" if raw else "known before any scheduler started"
+            raise BadRequest(
+                f"unknown experiment kind {kind!r}; kinds {where}: {known}",
+                remedy="pick one of those, or ask the operator to register it (lmq scheduler "
+                "--kind NAME=module:function)",
+            )
+        check_params(kind, spec, params)
+        if spec.needs_model and not model:
+            raise BadRequest(f"kind {kind!r} calls a model: give one (--model NAME)")
+        if model:
+            await ModelRegistry(self.redis, self.keys).info(model)  # UnknownModel
 
     async def status(self, experiment_id: str) -> ExperimentStatus:
         """The experiment's status, progress, rate and error.
@@ -294,6 +322,13 @@ class Experiments:
             return status
         with redis_boundary(f"cancelling experiment {experiment_id!r}"):
             await self.redis.hset(record, "cancel_requested", "1")
+            if status.status == "queued":
+                # not started (or deferred): it never will (the scheduler checks the request
+                # before starting and while running), so it reads cancelled at once
+                now_ms = int(time.time() * 1000)
+                await self.redis.hset(
+                    record, mapping={"status": "cancelled", "finished_ms": now_ms, "waiting": ""}
+                )
         return await self.status(experiment_id)
 
     async def results(self, experiment_id: str, start: int = 0) -> builtins.list[dict[str, Any]]:

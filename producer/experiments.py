@@ -167,6 +167,8 @@ class Experiments:
         self.tenant = keyspace.tenant
         #: Set by `connect`: on first use, ask the server whether it is a cluster node.
         self._url = url
+        #: Named (password masked) in errors.
+        self.url = url
         self._connect_timeout_s = connect_timeout_s
         self._connecting = asyncio.Lock()
 
@@ -202,6 +204,10 @@ class Experiments:
             plain, self.redis, self._url = self.redis, client, None
             await plain.aclose()
 
+    def _boundary(self, what: str) -> Any:
+        """`redis_boundary` naming this client's URL."""
+        return redis_boundary(what, self.url)
+
     async def close(self) -> None:
         """Close the connection pool."""
         await self.redis.aclose()
@@ -236,7 +242,7 @@ class Experiments:
         record = self.keys.experiment_record(experiment_id)
         now_ms = int(time.time() * 1000)
         encoded = json.dumps(dict(params or {}), separators=(",", ":"))
-        with redis_boundary(f"submitting experiment {experiment_id!r}"):
+        with self._boundary(f"submitting experiment {experiment_id!r}"):
             await self._connected()
             await self.check(kind, params or {}, model)
             if not await self.redis.hsetnx(record, "submitted_ms", now_ms):
@@ -289,7 +295,7 @@ class Experiments:
             UnknownExperiment: if this tenant has no experiment of that id.
         """
         validate_experiment_id(experiment_id)
-        with redis_boundary(f"reading experiment {experiment_id!r}"):
+        with self._boundary(f"reading experiment {experiment_id!r}"):
             await self._connected()
             raw = await self.redis.hgetall(self.keys.experiment_record(experiment_id))
         if not raw:
@@ -300,7 +306,7 @@ class Experiments:
 
     async def list(self) -> builtins.list[ExperimentStatus]:
         """Every experiment of this tenant, oldest first."""
-        with redis_boundary("listing experiments"):
+        with self._boundary("listing experiments"):
             await self._connected()
             ids = await self.redis.zrange(self.keys.experiment_index(), 0, -1)
         statuses = []
@@ -320,7 +326,7 @@ class Experiments:
         status = await self.status(experiment_id)  # UnknownExperiment, Forbidden
         if status.finished:
             return status
-        with redis_boundary(f"cancelling experiment {experiment_id!r}"):
+        with self._boundary(f"cancelling experiment {experiment_id!r}"):
             await self.redis.hset(record, "cancel_requested", "1")
             if status.status == "queued":
                 # not started (or deferred): it never will (the scheduler checks the request
@@ -334,7 +340,7 @@ class Experiments:
     async def results(self, experiment_id: str, start: int = 0) -> builtins.list[dict[str, Any]]:
         """The result rows written so far, from row `start` on."""
         await self.status(experiment_id)
-        with redis_boundary(f"reading results of {experiment_id!r}"):
+        with self._boundary(f"reading results of {experiment_id!r}"):
             rows = await self.redis.lrange(self.keys.experiment_results(experiment_id), start, -1)
         return [json.loads(row) for row in rows]
 

@@ -141,3 +141,25 @@ def test_the_default_url_is_said_not_used_silently():
     assert "no --redis-url, LMQ_REDIS_URL or REDIS_URL given: using redis://127.0.0.1:6379/0" in (
         done.stderr + done.stdout
     )
+
+
+def test_a_wrong_password_is_refused_at_once_with_exit_2_and_the_url_masked():
+    import time
+
+    import redis
+
+    from lmqueue.local_redis import LocalRedis
+
+    with LocalRedis() as server:
+        redis.Redis.from_url(server.url).config_set("requirepass", "the-right-one")
+        wrong = server.url.replace("redis://", "redis://default:the-wrong-one@")
+        for args in (["submit", "hi"], ["status"], ["tenant", "list"],
+                     ["experiment", "list"]):  # fmt: skip
+            started = time.monotonic()
+            done = _lmq(*args, "--redis-url", wrong, env={"LMQ_CONNECT_TIMEOUT_S": "30"})
+            took_s = time.monotonic() - started
+            line = _one_line(done)
+            assert done.returncode == 2, (args, done.stderr)
+            assert "AuthenticationFailed" in line and "wrong user or password" in line, line
+            assert "the-wrong-one" not in line and "default:***@" in line, line
+            assert took_s < 20, (args, took_s)  # no retrying until the 30 s connect timeout

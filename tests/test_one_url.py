@@ -118,3 +118,24 @@ async def test_a_wrong_password_fails_at_once_as_authentication_failed(
     assert loop.time() - started < 2.0  # not retried until the 60 s connect timeout
     assert "wrong user or password" in str(caught.value)
     assert "not-the-password" not in str(caught.value) and "carol:***@" in str(caught.value)
+
+
+def test_the_demo_samples_through_the_deployments_workers_with_a_tenant_url(
+    deployment: tuple[str, LocalRedis],
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    queue_url, cache = deployment
+    dana_url = _tenant(None, "add", "dana", "--redis-url", queue_url)  # the published cache
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMQ_") and k != "REDIS_URL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lmqueue", "demo", "--workers", "0", "--redis-url", dana_url,
+         "--steps", "3", "--particles", "2"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "next-token calls" in done.stdout
+    assert dana_url.split("@")[0].split(":")[-1] not in done.stdout + done.stderr  # no password
+    assert b"dana" in redis.Redis.from_url(cache.url).execute_command("ACL", "USERS")

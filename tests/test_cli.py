@@ -154,7 +154,7 @@ def test_a_wrong_password_is_refused_at_once_with_exit_2_and_the_url_masked():
         redis.Redis.from_url(server.url).config_set("requirepass", "the-right-one")
         wrong = server.url.replace("redis://", "redis://default:the-wrong-one@")
         for args in (["submit", "hi"], ["status"], ["tenant", "list"],
-                     ["experiment", "list"]):  # fmt: skip
+                     ["experiment", "list"], ["scheduler"]):  # fmt: skip
             started = time.monotonic()
             done = _lmq(*args, "--redis-url", wrong, env={"LMQ_CONNECT_TIMEOUT_S": "30"})
             took_s = time.monotonic() - started

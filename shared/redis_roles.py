@@ -113,7 +113,7 @@ async def _check_login(client: Any, url: str, timeout_s: float, probe: bool = Fa
     """PING once: a refused login raises `AuthenticationFailed` at once. Otherwise an
     unreachable server is left to the caller's own retries, unless `probe` asks that it be
     reachable and let this user read (then any failure raises)."""
-    what = f"connecting to {mask_url(url)}"
+    what = "logging in"
     try:
         await bounded(client.ping(), timeout_s + 1, "PING")
     except AuthenticationError as exc:

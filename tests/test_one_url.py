@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from lmqueue.local_redis import LocalRedis
 from lmqueue.worker_processes import WorkerProcess
 from producer import QueueLM
 from shared.errors import AuthenticationFailed
+from shared.keys import KeySpace
 from workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"
@@ -42,6 +44,7 @@ def deployment(
     """A queue (the session server) and a cache instance, a worker serving from both."""
     redis_url, tmp_path, capsys = redis_server.url, tmp_path_factory.mktemp("one-url"), None
     admin = redis.Redis.from_url(redis_url)
+    admin.flushall()  # no registry entry left by another module's worker
     with LocalRedis(policy="allkeys-lru") as cache:
         worker_url = _tenant(capsys, "worker-user", "--redis-url", redis_url,
                              "--cache-url", cache.url)  # fmt: skip
@@ -49,6 +52,10 @@ def deployment(
         worker = WorkerProcess(MODEL, "mock", worker_url, "one-url-0", log_dir=tmp_path,
                                extra_args=["--cache-url", worker_cache_url]).start()  # fmt: skip
         try:
+            deadline = time.monotonic() + 120
+            while not admin.exists(KeySpace().model_info(MODEL)):
+                assert time.monotonic() < deadline and worker.alive, worker.log()
+                time.sleep(0.2)
             yield redis_url, cache
         finally:
             assert worker.stop() == 0, worker.log()

@@ -21,9 +21,9 @@ import math
 import sys
 from pathlib import Path
 
-from shared.errors import SettingsError
-from shared.failures import ArgumentParser, report_failure
-from shared.settings import ClientSettings, redis_url_source
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.failures import ArgumentParser, report_failure
+from lmqueue.shared.settings import ClientSettings, redis_url_source
 
 from .connection_url import say_default_url
 
@@ -33,7 +33,7 @@ _VERBOSE = "--verbose"
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     text = _prompt_text(args)
     url, source = redis_url_source(args.redis_url)
@@ -67,8 +67,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
-    from scheduler.main import add_arguments as scheduler_arguments
-    from workers.main import build_parser as worker_parser
+    from lmqueue.scheduler.main import add_arguments as scheduler_arguments
+    from lmqueue.workers.main import build_parser as worker_parser
 
     from . import demo, experiments_cli, status, tenants
 
@@ -83,10 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     submit.add_argument("--top-k", type=int, default=10)
     submit.add_argument("--model", default="smollm2-135m")
-    submit.add_argument("--redis-url", default=None,
-                        help="your tenant URL (default: $LMQ_REDIS_URL, else $REDIS_URL)")
-    submit.add_argument("--cache-url", default=None,
-                        help="override the cache address the workers publish (rarely needed)")
+    submit.add_argument(
+        "--redis-url",
+        default=None,
+        help="your tenant URL (default: $LMQ_REDIS_URL, else $REDIS_URL)",
+    )
+    submit.add_argument(
+        "--cache-url",
+        default=None,
+        help="override the cache address the workers publish (rarely needed)",
+    )
     # fmt: skip
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
     status.add_arguments(
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     try:
         if command == "worker":
-            from workers.main import main as worker_main
+            from lmqueue.workers.main import main as worker_main
 
             return worker_main(argv[1:], verbose=verbose)
         if command == "bench":
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return status.run(args)
         if args.command == "scheduler":
-            from scheduler.main import run as run_scheduler
+            from lmqueue.scheduler.main import run as run_scheduler
 
             return run_scheduler(args)
         if args.command == "experiment":

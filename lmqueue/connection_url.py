@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from shared.settings import mask_url, redis_url_source
+from lmqueue.shared.settings import mask_url, redis_url_source
 
 __all__ = ["admin_url", "say_default_url"]
 

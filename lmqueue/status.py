@@ -18,10 +18,15 @@ import sys
 import time
 from typing import Any
 
-from shared.redis_errors import redis_boundary
-from shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
-from shared.registry import ModelInfo
-from shared.settings import RedisSettings, configured_metrics_host, mask_url, redis_url_source
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import (
+    RedisSettings,
+    configured_metrics_host,
+    mask_url,
+    redis_url_source,
+)
 
 from .connection_url import say_default_url
 from .status_collect import collect_status

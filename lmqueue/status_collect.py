@@ -20,10 +20,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.keys import WORKER_GROUP, KeySpace
-from shared.partitions import stream_partitions
-from shared.registry import ModelInfo
-from shared.worker_stats import read_worker_stats
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.partitions import stream_partitions
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.worker_stats import read_worker_stats
 
 __all__ = ["collect_status", "STALE_AFTER_S"]
 

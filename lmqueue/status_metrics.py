@@ -33,8 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
-from shared.keys import KeySpace
-from workers.health import DEFAULT_METRICS_HOST, HealthServer, HealthState
+from lmqueue.shared.keys import KeySpace
+from lmqueue.workers.health import DEFAULT_METRICS_HOST, HealthServer, HealthState
 
 from .status_collect import STALE_AFTER_S, collect_status
 

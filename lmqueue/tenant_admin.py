@@ -21,13 +21,13 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from shared.admission_script import ADMISSION_LUA
-from shared.errors import SettingsError
-from shared.keys import KeySpace
-from shared.redis_errors import translate
-from shared.registry import ModelInfo
-from shared.settings import mask_url
-from shared.tenants import (
+from lmqueue.shared.admission_script import ADMISSION_LUA
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import translate
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import mask_url
+from lmqueue.shared.tenants import (
     WORKER_USER,
     TenantConfig,
     password_hash,

@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shared.connections import sync_redis
-from shared.redis_errors import redis_boundary
-from shared.settings import same_instance, url_without_credentials, with_credentials_of
-from shared.tenants import WORKER_USER, TenantConfig
+from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.settings import same_instance, url_without_credentials, with_credentials_of
+from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 
 from .connection_url import admin_url
 from .tenant_admin import TenantAdmin

@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from shared.connections import async_redis, connect_async_redis
-from shared.errors import BadRequest, InvalidName, UnknownExperiment
-from shared.experiment_kinds import BUILTIN_KIND_SPECS, check_params, decode_catalog
-from shared.keys import KeySpace
-from shared.redis_errors import redis_boundary
-from shared.registry import ModelRegistry
-from shared.settings import RedisSettings
+from lmqueue.shared.connections import async_redis, connect_async_redis
+from lmqueue.shared.errors import BadRequest, InvalidName, UnknownExperiment
+from lmqueue.shared.experiment_kinds import BUILTIN_KIND_SPECS, check_params, decode_catalog
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.registry import ModelRegistry
+from lmqueue.shared.settings import RedisSettings
 
 __all__ = [
     "Experiments",

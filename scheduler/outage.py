@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from arq import Worker
 
-from shared.redis_errors import REDIS_AUTH, REDIS_DOWN
+from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN
 
 __all__ = ["ResilientWorker", "retrying", "BACKOFF_S"]
 

@@ -23,10 +23,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from arq.connections import RedisSettings as ArqRedisSettings
 
-from shared.connections import is_cluster
-from shared.errors import SettingsError
-from shared.redis_roles import connect_queue
-from shared.settings import RedisSettings
+from lmqueue.shared.connections import is_cluster
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.redis_roles import connect_queue
+from lmqueue.shared.settings import RedisSettings
 
 from .settings import SchedulerSettings
 

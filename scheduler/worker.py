@@ -19,8 +19,8 @@ from arq import cron
 from arq.cron import CronJob
 from arq.worker import func
 
-from producer.experiments import Experiments
-from shared.experiment_kinds import encode_catalog
+from lmqueue.producer.experiments import Experiments
+from lmqueue.shared.experiment_kinds import encode_catalog
 
 from .dispatcher import JOB_FUNCTION, Dispatcher
 from .kinds import kind_specs, resolve_kinds

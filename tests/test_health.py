@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from workers.health import HealthServer, HealthState
-from workers.metrics import WorkerMetrics
+from lmqueue.workers.health import HealthServer, HealthState
+from lmqueue.workers.metrics import WorkerMetrics
 
 
 class Clock:
@@ -154,7 +154,7 @@ async def test_a_blocked_event_loop_fails_the_probes_but_can_be_scraped(served) 
 
 
 def test_probes_listen_on_loopback_unless_told_otherwise() -> None:
-    from shared.settings import WorkerSettings
+    from lmqueue.shared.settings import WorkerSettings
 
     assert HealthServer.__init__.__defaults__[0] == "127.0.0.1"
     settings = WorkerSettings.from_env({"LMQ_MODEL": "m", "LMQ_METRICS_HOST": "0.0.0.0"})

@@ -19,11 +19,11 @@ import torch
 
 from lmqueue.cli import main
 from lmqueue.local_redis import LocalRedis
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import AuthenticationFailed
+from lmqueue.shared.keys import KeySpace
 from lmqueue.worker_processes import WorkerProcess
-from producer import QueueLM
-from shared.errors import AuthenticationFailed
-from shared.keys import KeySpace
-from workers.backends.mock import MockAsyncLM
+from lmqueue.workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"
 

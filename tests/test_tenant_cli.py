@@ -9,7 +9,7 @@ import redis
 from redis.exceptions import AuthenticationError
 
 from lmqueue.cli import main
-from shared.keys import KeySpace
+from lmqueue.shared.keys import KeySpace
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_the_cache_the_workers_publish_gets_the_user_without_a_flag(
     admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lmqueue.local_redis import LocalRedis
-    from shared.registry import ModelInfo
+    from lmqueue.shared.registry import ModelInfo
 
     with LocalRedis() as cache_server:
         info = ModelInfo("mock", "r", "mock", 10, 10, 0, cache_address=cache_server.url)

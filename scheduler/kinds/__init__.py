@@ -12,8 +12,8 @@ import importlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from shared.errors import SettingsError
-from shared.experiment_kinds import BUILTIN_KIND_SPECS, KindSpec, spec_of_function
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.experiment_kinds import BUILTIN_KIND_SPECS, KindSpec, spec_of_function
 
 from . import sample, score, smc
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import redis
 
 from lmqueue.local_redis import LocalRedis
-from producer import Experiments
-from shared.keys import KeySpace
+from lmqueue.producer import Experiments
+from lmqueue.shared.keys import KeySpace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scheduler_processes import SchedulerProcess  # noqa: E402

@@ -15,4 +15,4 @@ test-scenarios: bootstrap
 	python3 -m pytest -m scenario
 
 lint:
-	ruff check . && ruff format --check . && mypy
+	ruff check . && ruff format --check . && scripts/typecheck.sh

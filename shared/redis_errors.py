@@ -85,9 +85,7 @@ def translate(error: BaseException, what: str, url: str | None = None) -> LMQueu
     if isinstance(error, ResponseError) and not text.startswith(_TRANSIENT_REFUSALS):
         return Unavailable(f"{what}: Redis refused: {text}")
     where = f" at {mask_url(url)}" if url else ""
-    return Unavailable(
-        f"{what}: Redis{where} cannot be reached ({type(error).__name__}: {text})"
-    )
+    return Unavailable(f"{what}: Redis{where} cannot be reached ({type(error).__name__}: {text})")
 
 
 @contextlib.contextmanager

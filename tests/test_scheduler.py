@@ -439,7 +439,8 @@ def test_the_command_refuses_a_bad_experiment_with_exit_2_naming_the_cause(
         (["sample", "--model", MODEL, "--set", "prompt=hi", "--set", "n=abc"], "n='abc'"),
         (["score", "--model", MODEL, "--data", str(tmp_path / "missing.jsonl")],
          f"cannot read {tmp_path / 'missing.jsonl'}"),
-        (["score", "--model", "nobody-serves"], "models served here: smollm2-135m"),
+        (["score", "--model", "nobody-serves", "--set", "rows=[]"],
+         "models served here: smollm2-135m"),
     ]  # fmt: skip
     for args, says in cases:
         code = main(["experiment", "submit", *args, "--redis-url", url])
@@ -512,6 +513,12 @@ async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_pat
         config.write_text("{}")
         process = SchedulerProcess(local.url, "sched-hf", config, tmp_path).start()
         try:
+            admin = redis.Redis.from_url(local.url)
+            deadline = time.monotonic() + 300  # submissions check that the model is published
+            while not admin.exists(KeySpace().model_info(MODEL)):
+                assert time.monotonic() < deadline and worker.alive, worker.log()
+                await asyncio.sleep(0.5)
+            admin.close()
             async with Experiments.connect(local.url) as experiments:
                 exp_id = await experiments.submit("score", {"rows": rows}, model=MODEL)
                 status = await experiments.wait(exp_id, 300)

@@ -19,12 +19,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from shared.cluster_client import cluster_rebuilds
+from shared.connections import connect_async_redis
 from shared.keys import WORKER_GROUP, KeySpace
 from shared.partitions import stream_partitions
-from shared.redis_errors import redis_boundary
+from shared.redis_errors import REDIS_DOWN, redis_boundary
 from shared.registry import ModelInfo
 from shared.settings import RedisSettings
 from shared.worker_stats import read_worker_stats
@@ -170,6 +171,9 @@ def render_text(status: dict[str, Any]) -> str:
             ))  # fmt: skip
         if not info["workers"]:
             lines.append("  (no live workers)")
+        lines += _rebuild_lines(info["workers"], status.get("time_ms"))
+    if status.get("cluster_rebuilds"):
+        lines.append(f"this connection: Redis Cluster client rebuilt {status['cluster_rebuilds']}x")
     for role in ("queue", "cache"):
         m = status[role]
         bound = _size(m["maxmemory_bytes"]) if m["maxmemory_bytes"] else "unbounded"
@@ -179,6 +183,17 @@ def render_text(status: dict[str, Any]) -> str:
             f"{m['evicted_keys']} evicted, hit rate {rate}"
         )
     return "\n".join(lines)
+
+
+def _rebuild_lines(workers: dict[str, Any], now_ms: int | None) -> list[str]:
+    """One line per worker whose Redis Cluster client lost every node and was rebuilt."""
+    lines = []
+    for name, w in workers.items():
+        if w.get("cluster_rebuilds"):
+            ago = (now_ms - w["cluster_rebuilt_ms"]) / 1000 if now_ms else None
+            lines.append(f"  {name}: Redis Cluster client rebuilt {w['cluster_rebuilds']}x, "
+                         f"last {_age(ago)} ago")  # fmt: skip
+    return lines
 
 
 def _row(name: str, *cells: Any) -> str:
@@ -204,18 +219,26 @@ def _text(value: Any) -> str:
 
 
 async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
-    redis = aioredis.Redis.from_url(settings.url)
+    redis = await connect_async_redis(settings.url)  # a cluster client on a cluster node
     cache = None
     if settings.cache_url and settings.cache_url != settings.url:
-        cache = aioredis.Redis.from_url(settings.cache_url)
+        cache = await connect_async_redis(settings.cache_url)
     try:
         if args.metrics_port:
             await _export(args, settings, redis, cache)
             return
         while True:
-            status = await collect_status(
-                redis, settings.keyspace(), cache, args.tenant, args.model
-            )
+            try:
+                status = await collect_status(
+                    redis, settings.keyspace(), cache, args.tenant, args.model
+                )
+            except REDIS_DOWN as exc:
+                if not args.watch:
+                    raise
+                print(_unreachable_line(exc, redis, cache), flush=True)  # watch on: it may return
+                await asyncio.sleep(args.interval)
+                continue
+            status["cluster_rebuilds"] = cluster_rebuilds(redis, cache)[0]
             text = json.dumps(status, indent=2) if args.json else render_text(status)
             if args.watch and not args.json:
                 text = f"\x1b[H\x1b[2J{time.strftime('%H:%M:%S')}\n{text}"
@@ -227,6 +250,15 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
         await redis.aclose()
         if cache is not None:
             await cache.aclose()
+
+
+def _unreachable_line(exc: BaseException, *clients: Any) -> str:
+    """What ``--watch`` prints while Redis cannot be reached, or the cluster client is rebuilt."""
+    rebuilds, rebuilding = cluster_rebuilds(*clients)
+    what = "Redis cannot be reached"
+    if rebuilding:
+        what = f"rebuilding the Redis Cluster connection (rebuild {rebuilds})"
+    return f"{time.strftime('%H:%M:%S')} {what}: {exc}"
 
 
 async def _export(

@@ -46,6 +46,8 @@ class Upkeep:
         self.worker = worker
         self._started_ms = int(time.time() * 1000)
         self._stats_refused = False
+        self._rebuilds_seen = 0
+        self._rebuilt_ms = 0
 
     def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         """Start the heartbeat, the tenant refresh and readiness; they run until `stop`."""
@@ -102,6 +104,7 @@ class Upkeep:
             tuple(worker.lanes.tenants()), settings.batch_size,
             self._started_ms, int(time.time() * 1000), metrics.batches_total,
             metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
+            *self._cluster_rebuilds(),
         )  # fmt: skip
         ttl_s = max(10, int(5 * settings.heartbeat_s))
         try:
@@ -110,6 +113,13 @@ class Upkeep:
             if not self._stats_refused:
                 logger.warning("writing the stats hash failed: %s", exc)
             self._stats_refused = True
+
+    def _cluster_rebuilds(self) -> tuple[int, int]:
+        """The worker's cluster-client rebuilds so far and when the count last grew (Unix ms)."""
+        rebuilds, _ = self.worker.cluster_rebuilds()
+        if rebuilds != self._rebuilds_seen:
+            self._rebuilds_seen, self._rebuilt_ms = rebuilds, int(time.time() * 1000)
+        return rebuilds, self._rebuilt_ms
 
     async def _not_ready_once(self, stop: asyncio.Event) -> None:
         """Fail readiness the moment the worker is told to stop, not when its loop notices."""

@@ -30,6 +30,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from shared.cluster_client import cluster_rebuilds
 from shared.connections import bounded
 from shared.lm.interface import AsyncLM
 from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
@@ -73,12 +74,15 @@ class Worker:
         self.settings = settings
         self.backend = backend
         self.redis = redis
+        self._cache_redis = cache_redis
         self.keys = settings.redis.keyspace()
         self.registry = ModelRegistry(redis, self.keys)
         self.info = self._model_info()
         self.metrics = metrics or WorkerMetrics(settings.model)
         self.metrics.watch_backend(backend)
         self.health = health or health_state(settings)
+        self.metrics.watch_cluster(self.cluster_rebuilds)
+        self.health.watch_cluster(self.cluster_rebuilds)
         self.lanes = TenantLanes(
             redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
         )
@@ -89,6 +93,10 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
         self.upkeep = Upkeep(self)
+
+    def cluster_rebuilds(self) -> tuple[int, bool]:
+        """Rebuilds of this worker's Redis Cluster clients so far, and whether one runs now."""
+        return cluster_rebuilds(self.redis, self._cache_redis)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property

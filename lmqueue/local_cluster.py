@@ -103,7 +103,7 @@ class LocalCluster:
             for node in self.nodes:
                 self._spawn(node)
             for node in self.nodes:
-                self._wait_ping(node, timeout_s)
+                self._wait_listening(node, timeout_s)
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             subprocess.run(
                 ["redis-cli", *self._cli_tls(), "--cluster", "create", *addresses,
@@ -116,6 +116,19 @@ class LocalCluster:
             self.close()
             raise
         return self
+
+    def _wait_listening(self, node: ClusterNode, timeout_s: float, tries: int = 3) -> None:
+        """Wait until a new node answers; one that exited (another process took its port
+        since `_free_node_port` looked: seen on a busy shared machine) moves to a new port."""
+        for attempt in range(tries):
+            try:
+                self._wait_ping(node, timeout_s)
+                return
+            except RuntimeError:
+                if node.alive or attempt == tries - 1:
+                    raise
+            node.port = _free_node_port()
+            self._spawn(node)
 
     def _spawn(self, node: ClusterNode) -> None:
         log = self._dir / f"redis-{node.port}.log"

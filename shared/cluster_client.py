@@ -16,8 +16,9 @@ and, when the library says it cannot reach any node, puts them all back into the
 and re-reads the slot map from them: a rebuild. A rebuild that fails is raised as
 `ClusterUnreachable`, a ``ConnectionError``, so every caller's existing "Redis is down" retry
 loop (`shared.redis_errors.REDIS_DOWN`) backs off and tries again within its own deadline;
-attempts are also spaced here (`Backoff`, 50 ms doubling to 1 s), so a hundred waiting tasks do
-not dial every dead address a hundred times. ``rebuilds`` and ``rebuilding`` say what happened, for
+while a rebuild runs, attempts are also spaced here (`Backoff`, 50 ms doubling to 1 s): a task
+calling meanwhile fails at once, so a hundred waiting tasks do not dial every dead address a
+hundred times. ``rebuilds`` and ``rebuilding`` say what happened, for
 ``/metrics``, ``/readyz``, `QueueLM.stats` and ``lmq status``.
 
 The override sits on ``RedisCluster.initialize``, the one method through which both commands
@@ -58,7 +59,8 @@ class RecoveringCluster(aiocluster.RedisCluster):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: ``host:port`` -> (host, port), oldest first; the URL's node first of all.
+        #: ``host:port`` -> (host, port), the URL's and every node of a slot map read since,
+        #: least recently seen first.
         self.addresses: dict[str, tuple[str, int]] = {}
         #: Rebuilds started (each time the library lost every node, once until it recovers).
         self.rebuilds = 0
@@ -75,6 +77,10 @@ class RecoveringCluster(aiocluster.RedisCluster):
             ClusterUnreachable: if no remembered node answered, or the slot map read was not
                 usable (a ``ConnectionError``: callers retry later).
         """
+        if self.rebuilding and self._initialize:  # space the attempts of every waiting task
+            wait_s = self._retry_at - time.monotonic()
+            if wait_s > 0:
+                raise ClusterUnreachable(f"rebuilding the cluster client: next in {wait_s:.2f} s")
         try:
             await super().initialize()
         except RedisClusterException as exc:
@@ -101,24 +107,25 @@ class RecoveringCluster(aiocluster.RedisCluster):
         async with self._lock:  # the library iterates the startup list under this lock
             if not self._initialize:
                 return  # another task rebuilt it meanwhile
-            wait_s = self._retry_at - time.monotonic()
-            if wait_s > 0:
-                raise ClusterUnreachable(f"rebuilding the cluster client: next in {wait_s:.2f} s")
-            self._reseed()
-        try:
-            await super().initialize()
-        except (RedisClusterException, RuntimeError, RedisConnectionError) as exc:
-            self._retry_at = time.monotonic() + self._backoff.delay_s()
-            raise ClusterUnreachable(f"no known cluster node answered: {exc}") from exc
+            added = self._reseed()
+        if added:  # else the library has just tried every known node
+            try:
+                await super().initialize()
+                return
+            except (RedisClusterException, RuntimeError, RedisConnectionError) as exc:
+                cause = exc
+        self._retry_at = time.monotonic() + self._backoff.delay_s()
+        raise ClusterUnreachable(f"no known cluster node answered: {cause}") from cause
 
-    def _reseed(self) -> None:
-        """Add each remembered address missing from the library's startup list."""
+    def _reseed(self) -> int:
+        """Add each remembered address missing from the library's startup list; how many."""
         manager = self.nodes_manager
-        for name, (host, port) in self.addresses.items():
-            if name not in manager.startup_nodes:
-                manager.startup_nodes[name] = aiocluster.ClusterNode(
-                    host, port, **manager.connection_kwargs
-                )
+        missing = [item for item in self.addresses.items() if item[0] not in manager.startup_nodes]
+        for name, (host, port) in missing:
+            manager.startup_nodes[name] = aiocluster.ClusterNode(
+                host, port, **manager.connection_kwargs
+            )
+        return len(missing)
 
     def _recovered(self) -> None:
         """A slot map was read: remember its nodes; end a rebuild."""

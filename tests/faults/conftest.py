@@ -33,11 +33,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.scenario)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
     """Collect what redis-py's cluster client dropped unclosed (node objects, their stream
-    writers) before pytest reports leftover unraisable exceptions: their ResourceWarnings
-    ("loop is closed"), raised as errors after the last test, failed 4 of 20 sessions of
-    test_cluster_client_race.py whose tests had all passed."""
+    writers) before pytest's own last collection reports leftover unraisable exceptions:
+    their ResourceWarnings ("loop is closed"), raised as errors once the last test and its
+    event loop are gone, failed 4 of 20 sessions of test_cluster_client_race.py whose tests
+    had all passed (within a session, the next test's warning filters judge them)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()

@@ -15,14 +15,14 @@ import socket
 import pytest
 from prometheus_client import generate_latest
 
+from lmqueue.shared.backoff import Backoff
+from lmqueue.shared.cluster_client import ClusterUnreachable, RecoveringCluster, cluster_rebuilds
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.redis_errors import REDIS_DOWN
+from lmqueue.shared.worker_stats import WorkerStats
 from lmqueue.status import render_text
-from shared.backoff import Backoff
-from shared.cluster_client import ClusterUnreachable, RecoveringCluster, cluster_rebuilds
-from shared.connections import connect_async_redis
-from shared.redis_errors import REDIS_DOWN
-from shared.worker_stats import WorkerStats
-from workers.health import HealthState
-from workers.metrics import WorkerMetrics
+from lmqueue.workers.health import HealthState
+from lmqueue.workers.metrics import WorkerMetrics
 
 
 def _dead_port() -> int:

@@ -23,8 +23,8 @@ from collections import Counter
 
 import pytest
 
-from shared.connections import connect_async_redis, execute_pipeline
-from shared.redis_errors import REDIS_DOWN
+from lmqueue.shared.connections import connect_async_redis, execute_pipeline
+from lmqueue.shared.redis_errors import REDIS_DOWN
 
 pytestmark = [
     pytest.mark.cluster,

@@ -46,7 +46,7 @@ from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
-from .upkeep import Upkeep, health_state, sleep_unless
+from .upkeep import Upkeep, UpkeepParts, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -74,7 +74,6 @@ class Worker:
         self.settings = settings
         self.backend = backend
         self.redis = redis
-        self._cache_redis = cache_redis
         self.keys = settings.redis.keyspace()
         self.registry = ModelRegistry(redis, self.keys)
         self.info = self._model_info()
@@ -92,11 +91,15 @@ class Worker:
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
-        self.upkeep = Upkeep(self)
+        parts = UpkeepParts(
+            settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
+            self.lanes, self.scheduler,
+        )  # fmt: skip
+        self.upkeep = Upkeep(parts, self.publish, self.recover)
 
     def cluster_rebuilds(self) -> tuple[int, bool]:
         """Rebuilds of this worker's Redis Cluster clients so far, and whether one runs now."""
-        return cluster_rebuilds(self.redis, self._cache_redis)
+        return cluster_rebuilds(self.lanes.redis, self.lanes.cache_redis)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property

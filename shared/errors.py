@@ -23,6 +23,7 @@ TimeoutError`).
     ├── Busy                                 admission control refused a new request
     │   └── QuotaExceeded                    the tenant is at one of its quotas
     ├── Forbidden                            Redis refused an operation to this user (ACL)
+    │   └── AuthenticationFailed             wrong user or password (never retried)
     ├── DeadLettered                         the request failed on every delivery and was parked
     ├── Cancelled                            the request was withdrawn (client closed, reset)
     └── Unavailable (ConnectionError)        Redis or the workers cannot be reached
@@ -50,6 +51,7 @@ __all__ = [
     "DeadlineExceeded",
     "Busy",
     "Forbidden",
+    "AuthenticationFailed",
     "QuotaExceeded",
     "DeadLettered",
     "Cancelled",
@@ -143,6 +145,13 @@ class Forbidden(LMQueueError):
     """Raised when Redis refuses an operation to this client's user (an ACL rule: NOPERM)."""
 
 
+class AuthenticationFailed(Forbidden):
+    """Raised when Redis rejects the URL's user or password (WRONGPASS, NOAUTH); not retried.
+
+    ``data["url"]`` is the URL with its password masked.
+    """
+
+
 class DeadLettered(LMQueueError):
     """Raised when a request failed on every delivery and was moved to the dead-letter stream."""
 
@@ -174,6 +183,7 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
         DeadlineExceeded,
         Busy,
         Forbidden,
+        AuthenticationFailed,
         QuotaExceeded,
         DeadLettered,
         Cancelled,

@@ -137,6 +137,7 @@ class Worker:
             max_backlog=settings.max_backlog,
             partitions=settings.partitions,
             partition_block_tokens=settings.partition_block_tokens,
+            cache_address=settings.redis.published_cache_address,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -22,13 +22,14 @@ from shared.errors import UnknownModel
 from shared.lm.interface import AsyncLM
 from shared.lm.output_cache import OutputCache
 from shared.lm.tokens import Token
-from shared.lm.validation import check_prompt, reject_adapter
+from shared.lm.validation import check_prompt
 from shared.lm.vocab import str_vocab_of
 from shared.redis_errors import REDIS_DOWN, redis_boundary
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
 from shared.settings import ClientSettings
 from shared.tenants import read_cache_namespace
 
+from .adapter_choice import AdapterChoice
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel
 from .sync_portal import SyncFacade
@@ -81,6 +82,7 @@ class QueueLM(SyncFacade, AsyncLM):
         )  # fmt: skip
         self.client_id = self.channel.client_id
         self.local_cache = OutputCache(settings.local_cache_size)
+        self.adapters = AdapterChoice(redis, settings.redis.keyspace(), info.name)
         self._refresh: asyncio.Task[None] | None = None
 
     # -- what the model is (from the workers' registry entry) --------------------------------------
@@ -101,6 +103,11 @@ class QueueLM(SyncFacade, AsyncLM):
         return self.info.revision
 
     @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter this client is bound to (None: the base model)."""
+        return self.adapters.bound
+
+    @property
     def closed(self) -> bool:
         """Whether `close` was called."""
         return self.channel.closed
@@ -113,14 +120,18 @@ class QueueLM(SyncFacade, AsyncLM):
         redis_url: str | None = None,
         *,
         settings: ClientSettings | None = None,
+        adapter: str | None = None,
         **overrides: Any,
     ) -> QueueLM:
         """Connect to `model`'s workers through the Redis at `redis_url`.
 
-        Waits up to ``settings.connect_timeout_s`` for a worker to publish the model.
+        Waits up to ``settings.connect_timeout_s`` for a worker to publish the model. With
+        `adapter`, every call computes under that LoRA adapter unless it names another.
 
         Raises:
             UnknownModel: if no worker publishes `model` in that time.
+            UnknownAdapter: if `adapter` is not served (the error lists those that are).
+            Forbidden: if `adapter` is private to another tenant.
             Unavailable: if Redis cannot be reached in that time.
             Forbidden: if Redis refuses this user the registry.
         """
@@ -145,8 +156,19 @@ class QueueLM(SyncFacade, AsyncLM):
             raise
         client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id, namespace)
         client._home_loop = asyncio.get_running_loop()
+        try:
+            await client._bind(adapter)
+        except BaseException:
+            await _close_all(redis, cache_redis)
+            raise
         client.channel.start()
         return client
+
+    async def _bind(self, adapter: str | None) -> None:
+        """Read the model's adapter records; bind the client to `adapter` (checked)."""
+        with redis_boundary(f"reading the adapters of {self.model!r}"):
+            self.channel.set_adapters(await self.adapters.refresh())
+        self.adapters.bound = await self.adapters.resolve(adapter)
 
     async def close(self) -> None:
         """Stop the client; pending requests fail with `Cancelled`."""
@@ -171,25 +193,28 @@ class QueueLM(SyncFacade, AsyncLM):
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Log-probabilities of the next token after `token_ids` (float32, CPU)."""
-        found, token_bytes = self._lookup(token_ids, lora_name)
+        """Log-probabilities of the next token after `token_ids` (float32, CPU).
+
+        `lora_name` names a LoRA adapter served for the model (default: the client's own).
+        """
+        found, key = await self._lookup(token_ids, lora_name)
         if found is not None:
             return as_tensor(found)
-        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        vector = await self._ask(key)
         tensor = to_float32_tensor(vector)
-        self.local_cache[token_bytes] = tensor
+        self.local_cache[key] = tensor
         return tensor
 
     async def next_token_logprobs_numpy(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> np.ndarray:
         """`next_token_logprobs` as a float32 numpy array: a program on numpy needs no torch."""
-        found, token_bytes = self._lookup(token_ids, lora_name)
+        found, key = await self._lookup(token_ids, lora_name)
         if found is not None:
             return as_array(found)
-        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        vector = await self._ask(key)
         array = to_float32_array(vector)
-        self.local_cache[token_bytes] = array
+        self.local_cache[key] = array
         return array
 
     async def batch_next_token_logprobs_numpy(
@@ -201,14 +226,26 @@ class QueueLM(SyncFacade, AsyncLM):
         )
         return np.stack(rows) if rows else np.empty((0, self.vector_size), np.float32)
 
-    def _lookup(self, token_ids: Sequence[int], lora_name: str | None) -> tuple[Any, bytes]:
-        """Validate the prompt; its locally cached result (tensor or array) or None, its key."""
-        reject_adapter(lora_name)
+    async def _lookup(
+        self, token_ids: Sequence[int], lora_name: str | None
+    ) -> tuple[Any, tuple[str | None, bytes]]:
+        """Validate the prompt and adapter; the locally cached result (tensor, array or None)
+        and its key: the adapter and the prompt's bytes."""
         ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
-        token_bytes = ids.astype("<i4").tobytes()
-        if token_bytes in self.local_cache:  # a miss through get() raises and catches KeyError
-            return self.local_cache[token_bytes], token_bytes
-        return None, token_bytes
+        key = (await self.adapters.resolve(lora_name), ids.astype("<i4").tobytes())
+        if key in self.local_cache:  # a miss through get() raises and catches KeyError
+            return self.local_cache[key], key
+        return None, key
+
+    async def _ask(self, key: tuple[str | None, bytes]) -> np.ndarray:
+        """The raw vector of a log-probabilities request: prompt bytes under an adapter."""
+        adapter, token_bytes = key
+        if adapter is not None:
+            self.channel.set_adapters(self.adapters.records)  # the key needs its revision
+            return await self.request(
+                token_bytes, "logprobs", self.settings.wire_dtype, adapter=adapter
+            )
+        return await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
 
     def clear_cache(self) -> None:
         """Forget locally cached results (the shared cache is left alone)."""

@@ -29,6 +29,7 @@ from shared.errors import Cancelled, DeadlineExceeded
 from shared.partitions import Partitioning, stream_partitions
 from shared.registry import ModelInfo
 from shared.settings import ClientSettings
+from shared.adapters import AdapterRecord
 from shared.shared_cache import SharedCache
 from shared.wire import Request
 
@@ -124,6 +125,11 @@ class RequestChannel:
             )  # fmt: skip
             for p in stream_partitions(info.partitions)
         ]
+
+    def set_adapters(self, records: dict[str, AdapterRecord]) -> None:
+        """The model's adapter records, for the cache keys of adapters' rows."""
+        if self.submitter.cache is not None:
+            self.submitter.cache.adapters = records
 
     def adopt(self, info: ModelInfo) -> None:
         """Send by the model's info as re-published (a new backlog bound or partitioning)."""

@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
+from .adapters import ADAPTER_NAME
 from .partitions import DEFAULT_BLOCK_TOKENS
 
 __all__ = [
@@ -183,10 +184,16 @@ class WorkerSettings:
     log_level: str = "INFO"
     #: Port of /metrics, /healthz and /readyz (0: no server).
     metrics_port: int = 0
+    #: LoRA adapters to load and publish, name -> PEFT directory (``--adapter NAME=PATH``;
+    #: LMQ_ADAPTERS as a JSON object). Published public; `lmq adapter add` adds more.
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SettingsError("model is required (LMQ_MODEL or --model)")
+        for adapter in self.adapters:
+            if not isinstance(adapter, str) or not ADAPTER_NAME.match(adapter):
+                raise SettingsError(f"adapter name {adapter!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.backend not in BACKENDS:
             raise SettingsError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

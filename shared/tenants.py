@@ -202,13 +202,14 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
     cache = own.cache(config.cache_namespace)
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION, "+time",
-        _selector(["+get", "+smembers", "+exists"], [f"%R~{k}" for k in own.registry()]),
+        _selector(["+get", "+smembers", "+exists", "+hgetall"], [f"%R~{k}" for k in own.registry()]),
         _selector(["+evalsha"], [f"~{own.requests()}", f"~{own.rate()}"]),
         _selector(["+xadd", "+xlen"], [f"~{own.requests()}"]),
         _selector(["+hmget"], [f"%R~{own.quota()}", f"~{own.rate()}"]),
         _selector(["+hset", "+pexpire"], [f"~{own.rate()}"]),
         _selector(["+xread", "+xtrim", "+del"], [f"~{own.replies()}"]),
-        _selector(["+get", "+mget"], [f"%R~{cache}"]),
+        # its own namespace too: a private adapter's rows never go to a shared pool
+        _selector(["+get", "+mget"], sorted({f"%R~{cache}", f"%R~{own.cache()}"})),
         _selector(EXPERIMENT_COMMANDS, [f"~{own.experiments()}"]),
     ]  # fmt: skip
 

@@ -2,7 +2,8 @@
 
 * a heartbeat, which also writes the stats hash `lmq status` reads and re-publishes the model
   after a Redis restart (the registry entry is gone);
-* a tenant refresh, so new tenants and changed weights are served within a few seconds;
+* a tenant refresh, so new tenants and changed weights are served within a few seconds, and
+  so are LoRA adapters added or removed in the model's registry (`AdapterSet`);
 * a janitor sweep, which answers entries abandoned by dead workers on every lane, and prunes;
 * claims of entries read ahead, waiting in the fair-share scheduler for a batch, kept fresh
   (as a running batch keeps its own), so no janitor reclaims them during a long forward;
@@ -126,8 +127,10 @@ class Upkeep:
                 logger.warning("reading tenants failed: %s", exc)
 
     async def refresh_tenants(self) -> None:
-        """Read the tenant list again and give the scheduler each lane's weight."""
+        """Read the tenant list again and give the scheduler each lane's weight; load added
+        LoRA adapters and unload removed ones."""
         worker = self.worker
+        await worker.adapters.refresh()
         await worker.lanes.refresh()
         for lane in worker.lanes:
             worker.scheduler.set_weight(lane.tenant, lane.weight)

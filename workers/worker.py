@@ -37,6 +37,7 @@ from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
 
 from .fair_share import FairShare, Pick
+from .adapter_set import AdapterSet
 from .health import HealthState
 from .janitor import Janitor
 from .late_binding import BackendSlot, BatchForward, ForwardPart
@@ -79,9 +80,11 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(settings.model)
         self.metrics.watch_backend(backend)
         self.health = health or health_state(settings)
+        self.adapters = AdapterSet(backend, redis, self.keys, settings.model, settings.adapters)
         self.lanes = TenantLanes(
-            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
-        )
+            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics,
+            self.adapters,
+        )  # fmt: skip
         self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
         self.prefetch = prefetch
         self.answered = 0
@@ -136,6 +139,7 @@ class Worker:
                 tokenizer_to_files, self.backend.tokenizer
             )
         await self.lanes.reader.check_peers()
+        await self.adapters.publish_own()
         await self.upkeep.refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]

@@ -233,7 +233,7 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     registry_commands = [  # publishing is one script; the stats hash is for `lmq status`
         "+get", "+set", "+exists", "+sadd", "+smembers", "+evalsha", "+eval",
         "+zadd", "+zrem", "+zrange", "+zrangebyscore", "+zremrangebyscore",
-        "+hset", "+expire", "+del",
+        "+hset", "+hgetall", "+expire", "+del",  # hgetall: the adapter records
     ]  # fmt: skip
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION,

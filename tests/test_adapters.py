@@ -266,10 +266,10 @@ async def test_a_missing_adapter_directory_stops_the_worker_with_its_name(
         await worker.publish()
 
 
-async def _wait_replies(aredis, client: str, count: int) -> dict:
+async def _wait_replies(aredis, client: str, count: int, keys: KeySpace = KEYS) -> dict:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        entries = await aredis.xrange(KEYS.replies(client))
+        entries = await aredis.xrange(keys.replies(client))
         if len(entries) >= count:
             return {r.request_id: r for r in (decode_reply(f) for _, f in entries)}
         await asyncio.sleep(0.05)

@@ -28,6 +28,7 @@ from arq import Retry
 
 from producer import QueueLM
 from producer.experiments import ExperimentStatus
+from shared.errors import BadRequest
 from shared.keys import arq_in_progress
 from shared.redis_errors import REDIS_TROUBLE
 from shared.settings import ClientSettings, RedisSettings
@@ -166,7 +167,9 @@ class ExperimentRun:
                 ),
                 connect_timeout_s=self.settings.connect_timeout_s,
             )
-            lm = await QueueLM.connect(context.model, settings=settings)
+            lm = await QueueLM.connect(
+                context.model, settings=settings, adapter=_adapter_param(params)
+            )
             try:
                 rows = await kind(context, lm, params)
             finally:
@@ -214,3 +217,11 @@ class ExperimentRun:
         await asyncio.shield(self.redis.hset(self.record, mapping=mapping))
         logger.info("experiment %s of %s: %s %s", self.id, self.tenant, status, error)
         return {"status": status, "error": error}
+
+
+def _adapter_param(params: dict[str, Any]) -> str | None:
+    """The ``adapter`` parameter every model kind takes: the LoRA adapter its calls use."""
+    adapter = params.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise BadRequest(f"adapter={adapter!r}: expected an adapter's name")
+    return adapter

@@ -34,9 +34,7 @@ def _submit(args: argparse.Namespace) -> int:
     settings = ClientSettings.resolve(redis_url=args.redis_url)
 
     async def ask() -> None:
-        async with await QueueLM.connect(
-            args.model, settings=settings, adapter=args.adapter
-        ) as lm:
+        async with await QueueLM.connect(args.model, settings=settings, adapter=args.adapter) as lm:
             ids = lm.tokenizer.encode(args.text)
             logprobs = await lm.next_token_logprobs(ids)
             values, tokens = logprobs.topk(args.top_k)

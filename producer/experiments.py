@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from shared.connections import async_redis, connect_async_redis
 from shared.adapters import validate_adapter_name
+from shared.connections import async_redis, connect_async_redis
 from shared.errors import BadRequest, InvalidName, UnknownExperiment
 from shared.keys import KeySpace
 from shared.redis_errors import redis_boundary

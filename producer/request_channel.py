@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from shared.adapters import AdapterRecord
 from shared.connections import bounded, is_cluster
 from shared.errors import Cancelled, DeadlineExceeded
 from shared.partitions import Partitioning, stream_partitions
 from shared.registry import ModelInfo
 from shared.settings import ClientSettings
-from shared.adapters import AdapterRecord
 from shared.shared_cache import SharedCache
 from shared.wire import Request
 

@@ -154,7 +154,9 @@ class Submitter:
         if self.cache is None or not lookups:
             return batch
         cache = self.cache
-        keys = [cache.key(p.request.dtype, p.request.token_bytes, p.request.adapter) for p in lookups]
+        keys = [
+            cache.key(p.request.dtype, p.request.token_bytes, p.request.adapter) for p in lookups
+        ]
         values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):

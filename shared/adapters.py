@@ -70,7 +70,9 @@ def adapter_revision(path: str | Path) -> str:
     """
     directory = Path(path)
     if not (directory / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory (no adapter_config.json)")
+        raise FileNotFoundError(
+            f"{directory} is not a PEFT adapter directory (no adapter_config.json)"
+        )
     digest = hashlib.blake2b(digest_size=8)
     for name in _WEIGHT_FILES:
         file = directory / name

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from .adapters import ADAPTER_NAME
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
-from .adapters import ADAPTER_NAME
 from .partitions import DEFAULT_BLOCK_TOKENS
 
 __all__ = [

@@ -4,8 +4,9 @@ A value is one result vector as raw little-endian bytes, under a key made of mod
 result kind (``lp.float32``, ``lp.float16``) and a digest of the exact token tuple, so a new
 model revision or wire dtype never reads stale entries. A row of a LoRA adapter carries the
 adapter's name and revision too (its record in `adapters`), and a private adapter's rows stay
-in its tenant's own namespace even when the tenant shares a cache pool. Entries carry a TTL; memory is bounded
-by that TTL and, on a dedicated cache instance, by its LRU policy (ops/redis/cache.conf).
+in its tenant's own namespace even when the tenant shares a cache pool. Entries carry a TTL;
+memory is bounded by that TTL and, on a dedicated cache instance, by its LRU policy
+(ops/redis/cache.conf).
 Cache operations are best effort: a failing cache slows requests down but never fails them.
 Writes report which entries were stored, because a worker may only hand out a claim-check (a
 reply naming a cache key instead of carrying the vector, see `shared.wire`) for an entry that

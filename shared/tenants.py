@@ -202,7 +202,9 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
     cache = own.cache(config.cache_namespace)
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION, "+time",
-        _selector(["+get", "+smembers", "+exists", "+hgetall"], [f"%R~{k}" for k in own.registry()]),
+        _selector(
+            ["+get", "+smembers", "+exists", "+hgetall"], [f"%R~{k}" for k in own.registry()]
+        ),
         _selector(["+evalsha"], [f"~{own.requests()}", f"~{own.rate()}"]),
         _selector(["+xadd", "+xlen"], [f"~{own.requests()}"]),
         _selector(["+hmget"], [f"%R~{own.quota()}", f"~{own.rate()}"]),

@@ -5,30 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-#: Projections a test adapter changes: attention (so the KV differs per adapter) and the MLP.
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from lmqueue.bench.adapter_models import make_random_adapter
 
 
 def make_adapter(model_dir: str | Path, out_dir: str | Path, seed: int, rank: int = 4) -> Path:
-    """Save a PEFT LoRA adapter of the causal LM in `model_dir` with random non-zero weights.
-
-    ``init_lora_weights=False`` gives B a random init too (by default B is zero and the adapter
-    a no-op), so every adapter made with another seed gives other rows.
-    """
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False,
-        task_type="CAUSAL_LM",
-    )  # fmt: skip
-    peft_model = get_peft_model(base, config)
-    out = Path(out_dir)
-    peft_model.save_pretrained(out)
-    return out
+    """A random non-zero PEFT LoRA adapter of the model in `model_dir` (see `adapter_models`)."""
+    return make_random_adapter(model_dir, out_dir, seed, rank)
 
 
 def peft_reference(model_dir: str | Path, adapters: dict[str, Path]) -> Any:

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import redis
 from redis.exceptions import NoPermissionError
+from test_adapters import _retry_unknown, _wait_replies, fake_adapter
 
 from lmqueue.tenant_admin import TenantAdmin
 from producer import QueueLM
-from shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
+from shared.adapters import AdapterRecord, adapter_revision
 from shared.errors import Forbidden, UnknownAdapter
 from shared.keys import KeySpace
 from shared.settings import ClientSettings
 from shared.tenants import TenantConfig
 from shared.wire import Request, encode_request, ids_to_bytes
-from test_adapters import _retry_unknown, _wait_replies, fake_adapter
 from workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_adapters import PROMPT, fake_adapter
 
 from producer import QueueLM
 from shared.errors import UnknownAdapter
-from test_adapters import PROMPT, fake_adapter
 from workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

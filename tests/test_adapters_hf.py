@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from lora_adapters import make_adapter, peft_reference, reference_logprobs
+
 from producer import QueueLM
 from shared.errors import UnknownAdapter
 from workers.backends.hf import AsyncTransformer
@@ -26,7 +26,9 @@ NAMES = [None, "a", "b"]
 @pytest.fixture(scope="module")
 def tiny_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("tiny-adapters")
-    return {name: make_adapter(tiny_model_dir, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
+    return {
+        name: make_adapter(tiny_model_dir, root / name, seed) for name, seed in (("a", 1), ("b", 2))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,9 @@ async def test_one_forward_serves_rows_of_the_base_and_two_adapters_each_equal_t
         _assert_rows_match(rows, [prompt] * 3, NAMES, reference)
         assert min((rows[i] - rows[j]).abs().max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.01
         longer = [prompt + [80, 90]] * 3  # each extends its own adapter's KV, never another's
-        rows = await asyncio.gather(*(lm.next_token_logprobs(p, n) for p, n in zip(longer, NAMES)))
+        rows = await asyncio.gather(
+            *(lm.next_token_logprobs(p, n) for p, n in zip(longer, NAMES, strict=True))
+        )
         assert lm.stats.reused_tokens == 3 * len(prompt)
         _assert_rows_match(rows, longer, NAMES, reference)
         uncached = [lm.next_token_logprobs_uncached(prompt, n) for n in NAMES]
@@ -62,6 +66,14 @@ async def test_one_forward_serves_rows_of_the_base_and_two_adapters_each_equal_t
             await lm.next_token_logprobs(prompt, "c")
         await lm.unload_adapter("b")
         assert lm.adapter_names == {"a"} and lm.cache.get(tuple(prompt), "b") is None
+        lm.clear_cache()
+        fresh = await asyncio.gather(*(lm.next_token_logprobs(prompt, n) for n in NAMES[:2]))
+        _assert_rows_match(fresh, [prompt] * 2, NAMES[:2], reference)
+        await lm.load_adapter("a", str(tiny_adapters["b"]))  # a name given other weights
+        await lm.unload_adapter("nope")
+        _assert_rows_match([await lm.next_token_logprobs(prompt, "a")], [prompt], ["b"], reference)
+        await lm.unload_adapter("a")  # the last one: a plain model again
+        assert lm.adapter_names == frozenset() and lm.cache.get(tuple(prompt), "a") is None
         _assert_rows_match([await lm.next_token_logprobs(prompt)], [prompt], [None], reference)
     finally:
         await lm.aclose()
@@ -96,7 +108,10 @@ async def test_smollm2_serves_a_mixed_adapter_batch_equal_to_peft(
     from workers.models import hf_directory
 
     model_dir = hf_directory("smollm2-135m")
-    adapters = {"a": make_adapter(model_dir, tmp_path / "a", 1), "b": make_adapter(model_dir, tmp_path / "b", 2)}
+    adapters = {
+        "a": make_adapter(model_dir, tmp_path / "a", 1),
+        "b": make_adapter(model_dir, tmp_path / "b", 2),
+    }
     reference = peft_reference(model_dir, adapters)
     lm = AsyncTransformer.from_name("smollm2-135m", timeout=0.05)
     try:

@@ -467,8 +467,9 @@ async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_pat
 async def test_an_experiment_with_an_adapter_parameter_calls_that_adapter(
     experiments, url, smol_tokenizer, tmp_path
 ):
-    from shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
     from test_adapters import _retry_unknown, fake_adapter
+
+    from shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
 
     path = fake_adapter(tmp_path / "exp-a", b"experiment adapter")
     admin = redis.asyncio.Redis.from_url(url)

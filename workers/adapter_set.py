@@ -97,7 +97,9 @@ class AdapterSet:
         try:
             revision = await asyncio.to_thread(adapter_revision, record.path)
             if revision != record.revision:
-                raise ValueError(f"its files have revision {revision}, the record {record.revision}")
+                raise ValueError(
+                    f"its files have revision {revision}, the record {record.revision}"
+                )
             await self.backend.load_adapter(record.name, record.path)
         except Exception as exc:  # a bad record must not stop the worker: log, skip, go on
             self._failed[record.name] = record.revision

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from shared.connections import connect_async_redis
 from shared.adapters import parse_adapter_spec
+from shared.connections import connect_async_redis
 from shared.errors import InvalidName, SettingsError
 from shared.failures import report_failure
 from shared.redis_errors import redis_boundary

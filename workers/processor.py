@@ -33,12 +33,12 @@ import torch
 
 from shared.errors import (
     BadRequest,
-    UnknownAdapter,
     DeadlineExceeded,
     LMQueueError,
     MalformedMessage,
     ModelError,
     OversizeRequest,
+    UnknownAdapter,
 )
 from shared.keys import validate_client_id
 from shared.lm.interface import AsyncLM

@@ -36,8 +36,8 @@ from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from shared.settings import WorkerSettings
 
-from .fair_share import FairShare, Pick
 from .adapter_set import AdapterSet
+from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
 from .late_binding import BackendSlot, BatchForward, ForwardPart

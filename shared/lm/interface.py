@@ -85,7 +85,7 @@ class AsyncLM(ABC):
         """
         raise AdaptersUnsupported(f"the {self.backend_name} backend serves no LoRA adapters")
 
-    async def unload_adapter(self, name: str) -> None:
+    async def unload_adapter(self, name: str) -> None:  # noqa: B027 - a no-op by default
         """Forget adapter `name` and everything computed with it (no-op if not loaded)."""
 
     def check_prompt(self, token_ids: Any) -> list[int]:

@@ -28,8 +28,9 @@ class MockAsyncLM(AsyncLM):
     can be compared with results computed in-process. It serves LoRA adapters too: a loaded
     adapter perturbs every vector by noise seeded by the adapter directory's files and the
     prompt, so rows of different adapters differ, deterministically, at no model's cost (fast
-    tests of the whole adapter path; the HF backend is the real thing). Concurrent calls are batched like a
-    real backend's: one batch at a time, callers arriving meanwhile join the next one.
+    tests of the whole adapter path; the HF backend is the real thing). Concurrent calls are
+    batched like a real backend's: one batch at a time, callers arriving meanwhile join the
+    next one.
 
     Args:
         tokenizer: a HuggingFace tokenizer; its vocabulary sizes the vectors.

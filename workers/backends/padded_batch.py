@@ -96,7 +96,8 @@ def kv_argument(model: Any) -> str:
     (``inspect.signature`` follows the deprecation decorator to the real function), and the
     output field carries the same name, so this is the one place that decides.
     """
-    return _kv_argument_of(type(_inner_model(model)))
+    inner: Any = _inner_model(model)
+    return _kv_argument_of(inner.__class__)
 
 
 #: What PEFT's mixed-adapter batches call the base model in ``adapter_names``.
@@ -125,7 +126,7 @@ def adapter_options(model: Any, adapters: list[str | None]) -> dict[str, Any]:
 
 
 @functools.cache
-def _kv_argument_of(model_class: type) -> str:
+def _kv_argument_of(model_class: Any) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 

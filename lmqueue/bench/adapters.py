@@ -114,7 +114,7 @@ def _merged_round(args: argparse.Namespace, url: str, models: list[str]) -> dict
         for worker, model in zip(workers, models, strict=True):
             asyncio.run(wait_for_workers(url, model, [worker]))
         commands = [_program(args, url, model, i + 1, None) for i, model in enumerate(models)]
-        return _figures(commands, workers, args.timeout_s)
+        return _figures(commands, workers, threads, args.timeout_s)
     finally:
         for worker in workers:
             worker.stop(timeout_s=15)
@@ -125,12 +125,13 @@ def _adapters_round(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Program i against one worker, bound to adapter i; then the mixed-batch comparison."""
     specs = [arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}")]
-    worker = _worker(args.model, url, "adapters", os.cpu_count() or 1, specs)
+    threads = os.cpu_count() or 1
+    worker = _worker(args.model, url, "adapters", threads, specs)
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))
         names: list[str | None] = [None, *adapters]
         commands = [_program(args, url, args.model, 11 + i, n) for i, n in enumerate(names)]
-        figures = _figures(commands, [worker], args.timeout_s)
+        figures = _figures(commands, [worker], threads, args.timeout_s)
         mixed = asyncio.run(_mixed_batches(args, url, names))
         return figures, mixed
     finally:
@@ -146,7 +147,6 @@ def _worker(model: str, url: str, name: str, threads: int, extra: list[str] | No
     process = WorkerProcess(
         model, "hf", url, f"bench-{name}", env=env, log_dir=log_dir, extra_args=extra or []
     )
-    process.threads = threads
     return process.start()
 
 
@@ -162,7 +162,9 @@ def _program(
     ]  # fmt: skip
 
 
-def _figures(commands: list[list[str]], workers: list[Any], timeout_s: float) -> dict[str, Any]:
+def _figures(
+    commands: list[list[str]], workers: list[Any], threads: int, timeout_s: float
+) -> dict[str, Any]:
     results, wall_s = run_together(commands, timeout_s)
     calls = sum(r["calls"] for r in results)
     clients = sum(r["peak_rss_bytes"] or 0 for r in results)
@@ -171,7 +173,7 @@ def _figures(commands: list[list[str]], workers: list[Any], timeout_s: float) ->
         "programs": len(commands), "workers": len(workers), "calls": calls,
         "wall_s": round(wall_s, 2), "calls_per_s": round(calls / wall_s, 2),
         "peak_rss_bytes": clients + served, "workers_peak_rss_bytes": served,
-        "torch_threads_per_worker": workers[0].threads,
+        "torch_threads_per_worker": threads,
     }  # fmt: skip
 
 

@@ -6,11 +6,14 @@ own worker (what lmqueue offered before adapters), or one worker serves the base
 three as LoRA adapters, and requests of all four share its batches. In one run, both ways:
 
 * ``merged``: 4 hf worker processes, one per model (the base, and each adapter merged into a
-  copy of the base with PEFT's ``merge_and_unload``, saved to a directory), the cores split
-  evenly between them (``OMP_NUM_THREADS``: four workers with all cores each spin against each
-  other); program i connects to model i;
-* ``adapters``: 1 hf worker process with ``--adapter`` x 3 and all cores; program i connects
-  to the base model bound to adapter i (the base for i = 0).
+  copy of the base with PEFT's ``merge_and_unload``, saved to a directory); program i connects
+  to model i;
+* ``adapters``: 1 hf worker process with ``--adapter`` x 3; program i connects to the base
+  model bound to adapter i (the base for i = 0).
+
+Every worker runs ``--worker-threads`` torch threads (``OMP_NUM_THREADS``, default 1): on a
+machine loaded by other work, an OpenMP team of two threads spins against the load and a
+forward took ~25x longer than with one thread (measured here, load average ~9 on 2 cores).
 
 Four client processes run the workload of `workload.Workload` (own prompt variant each) at
 once, as in ``lmq bench programs``; reported: aggregate calls/s and the sum of every process's
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -51,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters")
+    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
     parser.add_argument("--particles", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=100)
@@ -108,7 +111,7 @@ def _make_models(
 
 def _merged_round(args: argparse.Namespace, url: str, models: list[str]) -> dict[str, Any]:
     """Program i against its own worker serving model i."""
-    threads = max(1, (os.cpu_count() or 1) // len(models))
+    threads = args.worker_threads
     workers = [_worker(m, url, f"merged-{i}", threads) for i, m in enumerate(models)]
     try:
         for worker, model in zip(workers, models, strict=True):
@@ -125,7 +128,7 @@ def _adapters_round(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Program i against one worker, bound to adapter i; then the mixed-batch comparison."""
     specs = [arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}")]
-    threads = os.cpu_count() or 1
+    threads = args.worker_threads
     worker = _worker(args.model, url, "adapters", threads, specs)
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))

@@ -19,8 +19,10 @@ Four client processes run the workload of `workload.Workload` (own prompt varian
 once, as in ``lmq bench programs``; reported: aggregate calls/s and the sum of every process's
 peak RSS (workers and clients). Then, on the adapters worker, a **mixed batch** (the same
 number of prompts for each of the four, all sent at once) against the **same requests one
-adapter at a time** (each adapter's prompts sent and awaited before the next): calls/s. Fresh
-prompts every round, so no cache answers any of them.
+adapter at a time** (each adapter's prompts sent and awaited before the next): calls/s. The
+prompts are SMC-like steps: each adapter's own ``--prompt-tokens`` stem (computed once,
+before timing, so its KV is cached per adapter) plus one fresh token, never asked before, so
+no result cache answers any of them and each row computes one token.
 
 The adapters are random (PEFT, ``init_lora_weights=False``) on attention and MLP projections:
 the compute per token is that of a real rank-`rank` LoRA; their outputs mean nothing.
@@ -190,14 +192,18 @@ async def _mixed_batches(
     seconds = {"mixed": 0.0, "sequential": 0.0}
     calls = {"mixed": 0, "sequential": 0}
     async with await QueueLM.connect(args.model, redis_url=url, timeout_s=600) as lm:
+        stem = rng.integers(0, lm.vocab_size, args.prompt_tokens).tolist()
+        await asyncio.gather(*(_ask(lm, name, [stem]) for name in names))  # each one's KV
+        wanted = 2 * args.mixed_rounds * args.mixed_prompts
+        steps = iter(rng.permutation(lm.vocab_size)[:wanted].tolist())  # never one twice
 
-        def fresh() -> list[list[int]]:  # random prompts: no cache or shared prefix helps
-            count = args.mixed_prompts
-            return rng.integers(0, lm.vocab_size, (count, args.prompt_tokens)).tolist()
+        def fresh() -> list[list[int]]:
+            return [stem + [next(steps)] for _ in range(args.mixed_prompts)]
 
         for _ in range(args.mixed_rounds):
             for mode in ("mixed", "sequential"):
-                work = [(name, fresh()) for name in names]
+                batch = fresh()  # the same prompts for every adapter, as an SMC comparison has
+                work = [(name, batch) for name in names]
                 started = time.monotonic()
                 if mode == "mixed":
                     await asyncio.gather(*(_ask(lm, n, p) for n, p in work))

@@ -147,7 +147,7 @@ def check_adapter(
     served = visible_adapters(records, tenant)
     if record is None:
         raise UnknownAdapter(
-            f"adapter {name!r} is not served; served: {', '.join(served) or 'none'}",
+            f"LoRA adapter {name!r} is not served; served: {', '.join(served) or 'none'}",
             adapter=name, served=served,
         )  # fmt: skip
     if not record.usable_by(tenant):

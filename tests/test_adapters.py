@@ -286,3 +286,45 @@ async def _retry_unknown(call, timeout_s: float = 10.0):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def test_the_worker_command_line_takes_repeated_adapters(tmp_path):
+    from workers.main import build_parser, settings_from_args
+
+    argv = ["--model", "mock", "--adapter", "a=/x/a", "--adapter", "b=/x/b"]
+    settings = settings_from_args(build_parser().parse_args(argv), environ={})
+    assert settings.adapters == {"a": "/x/a", "b": "/x/b"}
+    with pytest.raises(SettingsError, match="--adapter"):
+        settings_from_args(build_parser().parse_args(["--model", "m", "--adapter", "x"]), {})
+
+
+def test_lmq_adapter_adds_lists_and_removes_records(redis_url, tmp_path, capsys):
+    import redis as sync_redis
+
+    from lmqueue.cli import main
+
+    path = fake_adapter(tmp_path / "cli", b"cli weights")
+    other = fake_adapter(tmp_path / "cli2", b"other weights")
+    base = ["adapter", "--redis-url", redis_url]
+    assert main([*base, "add", "mock", f"cli={path}", "--tenant", "alice"]) == 0
+    assert main([*base, "add", "mock", f"cli={path}", "--tenant", "alice"]) == 0  # same: fine
+    assert main([*base, "add", "mock", f"cli={other}"]) != 0  # other files need --replace
+    assert "--replace" in capsys.readouterr().err
+    assert main([*base, "list", "mock"]) == 0
+    listed = capsys.readouterr().out
+    assert f"cli\talice\t{adapter_revision(path)}\t{path}" in listed
+    admin = sync_redis.Redis.from_url(redis_url)
+    try:
+        raw = admin.hget(KEYS.model_adapters("mock"), "cli")
+        assert AdapterRecord.from_bytes("cli", raw).tenant == "alice"
+        assert main([*base, "add", "mock", f"cli={other}", "--replace"]) == 0
+        assert (
+            AdapterRecord.from_bytes("cli", admin.hget(KEYS.model_adapters("mock"), "cli")).tenant
+            is None
+        )
+        assert main([*base, "remove", "mock", "cli"]) == 0
+        assert admin.hget(KEYS.model_adapters("mock"), "cli") is None
+        assert main([*base, "remove", "mock", "cli"]) != 0
+        assert main([*base, "add", "mock", f"cli={tmp_path / 'none'}"]) != 0
+    finally:
+        admin.close()

@@ -234,7 +234,7 @@ class BatchProcessor:
         if request.adapter is not None:
             if self.adapters is None:
                 raise UnknownAdapter(
-                    f"adapter {request.adapter!r} is not served; served: none",
+                    f"LoRA adapter {request.adapter!r} is not served; served: none",
                     adapter=request.adapter, served=[],
                 )  # fmt: skip
             self.adapters.check(request.adapter, self.tenant)

@@ -22,7 +22,7 @@ def check_loaded_adapter(lora_name: str | None, loaded: frozenset[str]) -> None:
     if lora_name is not None and lora_name not in loaded:
         served = sorted(loaded)
         raise UnknownAdapter(
-            f"adapter {lora_name!r} is not loaded; loaded: {', '.join(served) or 'none'}",
+            f"LoRA adapter {lora_name!r} is not loaded; loaded: {', '.join(served) or 'none'}",
             adapter=lora_name, served=served,
         )  # fmt: skip
 

@@ -19,12 +19,17 @@ import argparse
 import asyncio
 import os
 
-from shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision, parse_adapter_spec
-from shared.connections import connect_async_redis
-from shared.errors import SettingsError
-from shared.keys import validate_name
-from shared.redis_errors import redis_boundary
-from shared.settings import RedisSettings
+from lmqueue.shared.adapters import (
+    AdapterRecord,
+    AdapterRegistry,
+    adapter_revision,
+    parse_adapter_spec,
+)
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.keys import validate_name
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.settings import RedisSettings
 
 __all__ = ["add_arguments", "run"]
 

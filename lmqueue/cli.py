@@ -20,8 +20,8 @@ import argparse
 import asyncio
 import sys
 
-from shared.failures import report_failure
-from shared.settings import ClientSettings
+from lmqueue.shared.failures import report_failure
+from lmqueue.shared.settings import ClientSettings
 
 __all__ = ["main", "build_parser"]
 
@@ -29,7 +29,7 @@ _VERBOSE = "--verbose"
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     settings = ClientSettings.resolve(redis_url=args.redis_url)
 
@@ -47,8 +47,8 @@ def _submit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
-    from scheduler.main import add_arguments as scheduler_arguments
-    from workers.main import build_parser as worker_parser
+    from lmqueue.scheduler.main import add_arguments as scheduler_arguments
+    from lmqueue.workers.main import build_parser as worker_parser
 
     from . import adapters_cli, demo, experiments_cli, status, tenants
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     try:
         if command == "worker":
-            from workers.main import main as worker_main
+            from lmqueue.workers.main import main as worker_main
 
             return worker_main(argv[1:], verbose=verbose)
         if command == "bench":
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return status.run(args)
         if args.command == "scheduler":
-            from scheduler.main import run as run_scheduler
+            from lmqueue.scheduler.main import run as run_scheduler
 
             return run_scheduler(args)
         if args.command == "experiment":

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from shared.adapters import AdapterRecord, AdapterRegistry, check_adapter
-from shared.errors import UnknownAdapter
-from shared.keys import KeySpace
+from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, check_adapter
+from lmqueue.shared.errors import UnknownAdapter
+from lmqueue.shared.keys import KeySpace
 
 __all__ = ["AdapterChoice"]
 

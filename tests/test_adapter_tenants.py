@@ -18,15 +18,15 @@ import redis
 from redis.exceptions import NoPermissionError
 from test_adapters import _retry_unknown, _wait_replies, fake_adapter
 
+from lmqueue.producer import QueueLM
+from lmqueue.shared.adapters import AdapterRecord, adapter_revision
+from lmqueue.shared.errors import Forbidden, UnknownAdapter
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request, encode_request, ids_to_bytes
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.adapters import AdapterRecord, adapter_revision
-from shared.errors import Forbidden, UnknownAdapter
-from shared.keys import KeySpace
-from shared.settings import ClientSettings
-from shared.tenants import TenantConfig
-from shared.wire import Request, encode_request, ids_to_bytes
-from workers.backends.mock import MockAsyncLM
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"

@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from producer import QueueLM
-from shared.adapters import (
+from lmqueue.producer import QueueLM
+from lmqueue.shared.adapters import (
     AdapterRecord,
     AdapterRegistry,
     adapter_revision,
     check_adapter,
     parse_adapter_spec,
 )
-from shared.errors import (
+from lmqueue.shared.errors import (
     AdaptersUnsupported,
     Forbidden,
     InvalidName,
@@ -30,13 +30,13 @@ from shared.errors import (
     SettingsError,
     UnknownAdapter,
 )
-from shared.keys import KeySpace
-from shared.partitions import Partitioning
-from shared.settings import RedisSettings, WorkerSettings
-from shared.wire import Request, decode_reply, decode_request, encode_request, ids_to_bytes
-from workers.backends.mock import MockAsyncLM
-from workers.backends.prefix_cache import PrefixCache
-from workers.worker import Worker
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.partitions import Partitioning
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.wire import Request, decode_reply, decode_request, encode_request, ids_to_bytes
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.backends.prefix_cache import PrefixCache
+from lmqueue.workers.worker import Worker
 from workers_in_threads import ThreadedWorker
 
 KEYS = KeySpace()
@@ -289,7 +289,7 @@ async def _retry_unknown(call, timeout_s: float = 10.0):
 
 
 def test_the_worker_command_line_takes_repeated_adapters(tmp_path):
-    from workers.main import build_parser, settings_from_args
+    from lmqueue.workers.main import build_parser, settings_from_args
 
     argv = ["--model", "mock", "--adapter", "a=/x/a", "--adapter", "b=/x/b"]
     settings = settings_from_args(build_parser().parse_args(argv), environ={})

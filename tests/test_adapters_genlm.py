@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from test_adapters import PROMPT, fake_adapter
 
-from producer import QueueLM
-from shared.errors import UnknownAdapter
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import UnknownAdapter
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 pytest.importorskip("genlm.backend.llm", reason="needs genlm-backend (dev extra)")
-from producer.genlm_adapter import as_genlm  # noqa: E402
+from lmqueue.producer.genlm_adapter import as_genlm  # noqa: E402
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import pytest
 import torch
 from lora_adapters import make_adapter, peft_reference, reference_logprobs
 
-from producer import QueueLM
-from shared.errors import UnknownAdapter
-from workers.backends.hf import AsyncTransformer
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import UnknownAdapter
+from lmqueue.workers.backends.hf import AsyncTransformer
 from workers_in_threads import ThreadedWorker
 
 TOLERANCE = 1e-4
@@ -105,7 +105,7 @@ async def test_through_a_worker_three_interleaved_rows_match_peft_and_again_from
 async def test_smollm2_serves_a_mixed_adapter_batch_equal_to_peft(
     smol_tokenizer: Any, tmp_path: Path
 ):
-    from workers.models import hf_directory
+    from lmqueue.workers.models import hf_directory
 
     model_dir = hf_directory("smollm2-135m")
     adapters = {

@@ -19,10 +19,10 @@ import logging
 import os
 from typing import Any
 
-from shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision, check_adapter
-from shared.errors import AdaptersUnsupported, SettingsError
-from shared.keys import KeySpace
-from shared.lm.interface import AsyncLM
+from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision, check_adapter
+from lmqueue.shared.errors import AdaptersUnsupported, SettingsError
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.lm.interface import AsyncLM
 
 __all__ = ["AdapterSet"]
 

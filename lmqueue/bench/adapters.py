@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/adapters.json``."""
-    from workers.models import hf_directory
+    from lmqueue.workers.models import hf_directory
 
     report = Report("adapters", {k: str(v) for k, v in vars(args).items()})
     with tempfile.TemporaryDirectory(prefix="lmq-bench-adapters-") as tmp:
@@ -186,7 +186,7 @@ async def _mixed_batches(
     args: argparse.Namespace, url: str, names: list[str | None]
 ) -> dict[str, Any]:
     """Alternate rounds: all adapters' prompts at once, then the same number one at a time."""
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     rng = np.random.default_rng(args.seed)
     seconds = {"mixed": 0.0, "sequential": 0.0}

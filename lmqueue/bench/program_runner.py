@@ -30,8 +30,8 @@ __all__ = ["main", "run_together"]
 async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
     from genlm.backend.llm import AsyncTransformer as GenlmTransformer
 
-    from shared.lm.vocab import decode_vocab
-    from workers.models import load_causal_lm, load_tokenizer
+    from lmqueue.shared.lm.vocab import decode_vocab
+    from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     lm = GenlmTransformer(load_causal_lm(args.model), tokenizer)
@@ -41,7 +41,7 @@ async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _lmqueue(args: argparse.Namespace) -> dict[str, Any]:
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     connecting = QueueLM.connect(args.model, redis_url=args.redis_url, adapter=args.adapter)
     async with await connecting as lm:

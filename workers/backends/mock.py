@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.adapters import adapter_revision
-from shared.errors import ModelError, SettingsError, UnknownAdapter
-from shared.lm.interface import AsyncLM
-from shared.lm.validation import check_loaded_adapter
+from lmqueue.shared.adapters import adapter_revision
+from lmqueue.shared.errors import ModelError, SettingsError, UnknownAdapter
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.validation import check_loaded_adapter
 
 from .options import check_options
 
@@ -101,7 +101,7 @@ class MockAsyncLM(AsyncLM):
         Raises:
             SettingsError: `engine_opts` (there is no engine) or an option it does not accept.
         """
-        from workers.models import load_tokenizer
+        from lmqueue.workers.models import load_tokenizer
 
         if engine_opts:
             raise SettingsError("the mock backend has no engine: engine_opts cannot be honoured")

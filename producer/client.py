@@ -13,18 +13,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmqueue.shared.connections import connect_async_redis
 from lmqueue.shared.errors import UnknownModel
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.lm.vocab import str_vocab_of
-from lmqueue.shared.redis_errors import REDIS_DOWN, redis_boundary
+from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN, redis_boundary
+from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
 from lmqueue.shared.settings import ClientSettings
 from lmqueue.shared.tenants import read_cache_namespace
@@ -121,10 +122,14 @@ class QueueLM(SyncFacade, AsyncLM):
         *,
         settings: ClientSettings | None = None,
         adapter: str | None = None,
+        cache_url: str | None = None,
         **overrides: Any,
     ) -> QueueLM:
         """Connect to `model`'s workers through the Redis at `redis_url`.
 
+        `redis_url` is all a tenant needs (what ``lmq tenant add`` printed): the cache
+        instance, if separate, is found in the registry and reached with the same user.
+        `cache_url` overrides where the cache is. `overrides` are `ClientSettings` fields.
         Waits up to ``settings.connect_timeout_s`` for a worker to publish the model. With
         `adapter`, every call computes under that LoRA adapter unless it names another.
 
@@ -134,27 +139,31 @@ class QueueLM(SyncFacade, AsyncLM):
             Forbidden: if `adapter` is private to another tenant.
             Unavailable: if Redis cannot be reached in that time.
             Forbidden: if Redis refuses this user the registry.
+            AuthenticationFailed: at once, if Redis refuses the URL's user or password.
+            SettingsError: for an override that is no `ClientSettings` field.
         """
-        settings = ClientSettings.resolve(settings, redis_url, **overrides)
-        redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
-        cache_redis = redis
-        if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-            cache_redis = await connect_async_redis(
-                settings.redis.cache_url, settings.redis.connect_timeout_s
-            )
+        settings = ClientSettings.resolve(settings, redis_url, cache_url=cache_url, **overrides)
+        redis = await connect_queue(settings.redis)
+        roles = RedisRoles(redis, redis, settings.redis.url, separate=False)
         try:
-            with redis_boundary(f"connecting to {model!r}"):
+            with redis_boundary(f"connecting to {model!r}", settings.redis.url):
                 registry = ModelRegistry(redis, settings.redis.keyspace())
                 info = await _wait_for_model(registry, model, settings.connect_timeout_s)
                 run_id = await server_run_id(redis)
                 files = await registry.tokenizer_files(model)
                 vocab = await registry.byte_vocab(model)
                 namespace = await read_cache_namespace(redis, settings.redis.keyspace(), model)
+                roles = await connect_redis_roles(
+                    settings.redis, info.cache_address, cache_required=False, queue=redis
+                )
             tokenizer = await asyncio.to_thread(tokenizer_from_files, files)
         except BaseException:
-            await _close_all(redis, cache_redis)
+            await roles.aclose()
             raise
+        settings, cache_redis = _with_cache(settings, roles)
         client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id, namespace)
+        if roles.cache is None:  # claim-checks it could not redeem would double the work
+            client.channel.claims.disable()
         client._home_loop = asyncio.get_running_loop()
         try:
             await client._bind(adapter)
@@ -286,12 +295,24 @@ class QueueLM(SyncFacade, AsyncLM):
         self.info = info
 
 
+def _with_cache(settings: ClientSettings, roles: RedisRoles) -> tuple[ClientSettings, Any]:
+    """The settings and cache client the channel runs with: the cache role as connected, or
+    (where it could not be used) none, the queue standing in and shared lookups off."""
+    if roles.cache is None:
+        redis_settings = replace(settings.redis, cache_url=None)
+        return replace(settings, redis=redis_settings, use_shared_cache=False), roles.queue
+    redis_settings = replace(settings.redis, cache_url=roles.cache_url if roles.separate else None)
+    return replace(settings, redis=redis_settings), roles.cache
+
+
 async def _wait_for_model(registry: ModelRegistry, model: str, timeout_s: float) -> ModelInfo:
     """The model's info, waiting up to `timeout_s` for a worker to publish it or Redis to answer."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return await registry.info(model)
+        except REDIS_AUTH:
+            raise  # a wrong password stays wrong: no waiting
         except _NOT_YET as exc:
             if time.monotonic() >= deadline:
                 raise exc

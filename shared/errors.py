@@ -25,7 +25,8 @@ TimeoutError`).
     ├── Busy                                 admission control refused a new request
     │   └── QuotaExceeded                    the tenant is at one of its quotas
     ├── Forbidden                            Redis refused an operation to this user (ACL),
-    │                                        or the adapter named is another tenant's
+    │   │                                    or the adapter named is another tenant's
+    │   └── AuthenticationFailed             wrong user or password (never retried)
     ├── DeadLettered                         the request failed on every delivery and was parked
     ├── Cancelled                            the request was withdrawn (client closed, reset)
     └── Unavailable (ConnectionError)        Redis or the workers cannot be reached
@@ -55,6 +56,7 @@ __all__ = [
     "DeadlineExceeded",
     "Busy",
     "Forbidden",
+    "AuthenticationFailed",
     "QuotaExceeded",
     "DeadLettered",
     "Cancelled",
@@ -157,6 +159,13 @@ class Forbidden(LMQueueError):
     a request names a LoRA adapter private to another tenant."""
 
 
+class AuthenticationFailed(Forbidden):
+    """Raised when Redis rejects the URL's user or password (WRONGPASS, NOAUTH); not retried.
+
+    ``data["url"]`` is the URL with its password masked.
+    """
+
+
 class DeadLettered(LMQueueError):
     """Raised when a request failed on every delivery and was moved to the dead-letter stream."""
 
@@ -191,6 +200,7 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
         DeadlineExceeded,
         Busy,
         Forbidden,
+        AuthenticationFailed,
         QuotaExceeded,
         DeadLettered,
         Cancelled,

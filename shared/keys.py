@@ -216,6 +216,10 @@ class KeySpace:
         return f"{self.prefix}:{self.tenant}:model:{_stream_tag(model, partition)}:rate"
 
     # -- experiments (the scheduler) ---------------------------------------------------------
+    def experiment_kinds(self) -> str:
+        """The kinds the schedulers run and their parameters (JSON), in the registry."""
+        return f"{self.prefix}:experiment-kinds"
+
     def experiment_inbox(self) -> str:
         """The stream of experiment orders (submissions) the scheduler reads."""
         return f"{self.prefix}:{self.tenant}:exp:inbox"
@@ -269,7 +273,7 @@ class KeyPatterns:
         model = f"{self.prefix}:model:*"
         return [
             f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab",
-            f"{model}:adapters",
+            f"{model}:adapters", f"{self.prefix}:experiment-kinds",
         ]  # fmt: skip
 
     def registry_all(self) -> list[str]:

@@ -80,6 +80,14 @@ def schedulers(
     processes = [
         SchedulerProcess(data_url, f"csched-{i}", config, log_dir).start() for i in range(2)
     ]
+    data = sync_redis(data_url)  # submissions are checked on the kinds and the model published
+    deadline = time.monotonic() + 120
+    while not (
+        data.exists(KeySpace().experiment_kinds()) and data.exists(KeySpace().model_info(MODEL))
+    ):
+        assert time.monotonic() < deadline, worker.log() + processes[0].log()
+        time.sleep(0.2)
+    data.close()
     yield processes
     for process in processes:
         process.stop()

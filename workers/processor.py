@@ -222,7 +222,8 @@ class BatchProcessor:
         size = sum(map(len, entry.fields.values()))
         if size > self.max_request_bytes:
             raise OversizeRequest(
-                f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
+                f"request of {size} bytes exceeds the workers' limit of "
+                f"{self.max_request_bytes} (LMQ_MAX_REQUEST_BYTES)",
                 size=size,
                 limit=self.max_request_bytes,
             )

@@ -46,7 +46,7 @@ from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
-from .upkeep import Upkeep, health_state, sleep_unless
+from .upkeep import Upkeep, UpkeepParts, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -91,7 +91,11 @@ class Worker:
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
-        self.upkeep = Upkeep(self)
+        parts = UpkeepParts(
+            settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
+            self.lanes, self.scheduler, self.adapters,
+        )  # fmt: skip
+        self.upkeep = Upkeep(parts, self.publish, self.recover)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property
@@ -129,6 +133,7 @@ class Worker:
             max_backlog=settings.max_backlog,
             partitions=settings.partitions,
             partition_block_tokens=settings.partition_block_tokens,
+            cache_address=settings.redis.published_cache_address,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.nda
     if ids.ndim != 1:
         raise TokenOutOfVocabulary(f"token ids must be a flat sequence, got shape {ids.shape}")
     if ids.size == 0:
-        raise EmptyPrompt("token ids must not be empty")
+        raise EmptyPrompt("the prompt has no tokens (an empty text encodes to none)")
     if ids.dtype.kind not in "iu":
         if ids.dtype.kind == "O" and all(_is_int(t) for t in ids):
             ids = ids.astype(np.int64)

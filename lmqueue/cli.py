@@ -7,6 +7,7 @@ lmq scheduler --redis-url redis://...                                  run exper
 lmq experiment {submit,status,list,cancel,results} ...                 manage experiments
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
 lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
+lmq adapter {add,list,remove} MODEL ...                                LoRA adapters by name
 
 Every command reports a failure as one line naming the error and what to do, and exits
 non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
@@ -41,7 +42,7 @@ def _submit(args: argparse.Namespace) -> int:
     say_default_url(url, source, "lmq submit")  # once the settings are known to be good
 
     async def ask() -> None:
-        async with await QueueLM.connect(args.model, settings=settings) as lm:
+        async with await QueueLM.connect(args.model, settings=settings, adapter=args.adapter) as lm:
             ids = lm.tokenizer.encode(text)
             logprobs = await lm.next_token_logprobs(ids)
             values, tokens = logprobs.topk(min(args.top_k, lm.vector_size))
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lmqueue.scheduler.main import add_arguments as scheduler_arguments
     from lmqueue.workers.main import build_parser as worker_parser
 
-    from . import demo, experiments_cli, status, tenants
+    from . import adapters_cli, demo, experiments_cli, status, tenants
 
     parser = ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="override the cache address the workers publish (rarely needed)",
     )
-    # fmt: skip
+    submit.add_argument("--adapter", default=None, help="a LoRA adapter served for the model")
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
     status.add_arguments(
         commands.add_parser("status", help="backlog, workers and caches, read from Redis")
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tenants.add_arguments(
         commands.add_parser("tenant", help="add, change, list or remove tenants (admin URL)")
+    )
+    adapters_cli.add_arguments(
+        commands.add_parser("adapter", help="add, list or remove a model's LoRA adapters")
     )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -144,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import tenants
 
             return tenants.run(args)
+        if args.command == "adapter":
+            from . import adapters_cli
+
+            return adapters_cli.run(args)
         from . import demo
 
         return demo.run(args)

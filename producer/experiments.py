@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from lmqueue.shared.adapters import validate_adapter_name
 from lmqueue.shared.connections import async_redis, connect_async_redis
 from lmqueue.shared.errors import BadRequest, InvalidName, UnknownExperiment
 from lmqueue.shared.experiment_kinds import BUILTIN_KIND_SPECS, check_params, decode_catalog
@@ -227,6 +228,7 @@ class Experiments:
         model: str = "",
         experiment_id: str | None = None,
         start_after_s: float | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Submit an experiment; return its id. An id submitted before is not submitted again.
 
@@ -235,7 +237,11 @@ class Experiments:
             params: the kind's JSON parameters.
             model: the model the experiment calls ("" for kinds that need none).
             start_after_s: an epoch time (seconds) before which it does not start.
+            adapter: the LoRA adapter of `model` every call uses (the ``adapter`` parameter,
+                which every model kind takes; None: the base model).
         """
+        if adapter is not None:
+            params = {**(params or {}), "adapter": validate_adapter_name(adapter)}
         if not _KIND.match(kind):
             raise BadRequest(f"invalid kind {kind!r}")
         experiment_id = validate_experiment_id(experiment_id or new_experiment_id(kind))

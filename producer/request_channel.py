@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from lmqueue.shared.adapters import AdapterRecord
 from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded
@@ -125,6 +126,11 @@ class RequestChannel:
             )  # fmt: skip
             for p in stream_partitions(info.partitions)
         ]
+
+    def set_adapters(self, records: dict[str, AdapterRecord]) -> None:
+        """The model's adapter records, for the cache keys of adapters' rows."""
+        if self.submitter.cache is not None:
+            self.submitter.cache.adapters = records
 
     def adopt(self, info: ModelInfo) -> None:
         """Send by the model's info as re-published (a new backlog bound or partitioning)."""

@@ -120,7 +120,7 @@ class Submitter:
             return
         parts: dict[int, list[Pending]] = {}
         for pending in misses:
-            partition = self.partitioning.of(pending.request.token_bytes)
+            partition = self.partitioning.of(pending.request.token_bytes, pending.request.adapter)
             parts.setdefault(partition, []).append(pending)
         if len(parts) == 1:
             ((partition, part),) = parts.items()
@@ -154,7 +154,9 @@ class Submitter:
         if self.cache is None or not lookups:
             return batch
         cache = self.cache
-        keys = [cache.key(p.request.dtype, p.request.token_bytes) for p in lookups]
+        keys = [
+            cache.key(p.request.dtype, p.request.token_bytes, p.request.adapter) for p in lookups
+        ]
         values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):

@@ -28,6 +28,7 @@ from arq import Retry
 
 from lmqueue.producer import QueueLM
 from lmqueue.producer.experiments import ExperimentStatus
+from lmqueue.shared.errors import BadRequest
 from lmqueue.shared.keys import arq_in_progress
 from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.settings import ClientSettings, RedisSettings
@@ -169,7 +170,9 @@ class ExperimentRun:
                 ),
                 connect_timeout_s=self.settings.connect_timeout_s,
             )
-            lm = await QueueLM.connect(context.model, settings=settings)
+            lm = await QueueLM.connect(
+                context.model, settings=settings, adapter=_adapter_param(params)
+            )
             try:
                 rows = await kind(context, lm, params)
             finally:
@@ -219,3 +222,11 @@ class ExperimentRun:
         )
         logger.info("experiment %s of %s: %s %s", self.id, self.tenant, status, error)
         return {"status": status, "error": error}
+
+
+def _adapter_param(params: dict[str, Any]) -> str | None:
+    """The ``adapter`` parameter every model kind takes: the LoRA adapter its calls use."""
+    adapter = params.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise BadRequest(f"adapter={adapter!r}: expected an adapter's name")
+    return adapter

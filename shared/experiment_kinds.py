@@ -54,7 +54,8 @@ class KindSpec:
 
 
 BUILTIN_KIND_SPECS: dict[str, KindSpec] = {
-    "score": KindSpec({"rows": "list", "batch_size": "int"}, required=("rows",)),
+    # every model kind: "adapter", the LoRA adapter its calls use (scheduler.kinds)
+    "score": KindSpec({"rows": "list", "batch_size": "int", "adapter": "str"}, required=("rows",)),
     "sample": KindSpec(
         {
             "prompt": "str",
@@ -63,6 +64,7 @@ BUILTIN_KIND_SPECS: dict[str, KindSpec] = {
             "max_tokens": "int",
             "temperature": "float",
             "seed": "int",
+            "adapter": "str",
         },
         required=("prompt",),
     ),  # fmt: skip
@@ -74,6 +76,7 @@ BUILTIN_KIND_SPECS: dict[str, KindSpec] = {
             "seed": "int",
             "lipogram": "str",
             "regex": "str",
+            "adapter": "str",
         },
         required=("prompt",),
     ),  # fmt: skip

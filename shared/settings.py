@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from .adapters import ADAPTER_NAME
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
 from .partitions import DEFAULT_BLOCK_TOKENS
@@ -264,12 +265,18 @@ class WorkerSettings:
     log_level: str = "INFO"
     #: Port of /metrics, /healthz and /readyz (0: no server).
     metrics_port: int = 0
+    #: LoRA adapters to load and publish, name -> PEFT directory (``--adapter NAME=PATH``;
+    #: LMQ_ADAPTERS as a JSON object). Published public; `lmq adapter add` adds more.
+    adapters: dict[str, str] = field(default_factory=dict)
     #: Address they listen on: loopback unless set (containers: 0.0.0.0, for the kubelet).
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SettingsError("model is required (LMQ_MODEL or --model)")
+        for adapter in self.adapters:
+            if not isinstance(adapter, str) or not ADAPTER_NAME.match(adapter):
+                raise SettingsError(f"adapter name {adapter!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.backend not in BACKENDS:
             raise SettingsError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

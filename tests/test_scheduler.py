@@ -19,7 +19,13 @@ from lmqueue.local_redis import LocalRedis
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
 from lmqueue.scheduler.kinds.sample import draw_samples
-from lmqueue.shared.errors import BadRequest, Forbidden, UnknownExperiment, UnknownModel
+from lmqueue.shared.errors import (
+    BadRequest,
+    Forbidden,
+    UnknownAdapter,
+    UnknownExperiment,
+    UnknownModel,
+)
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
@@ -536,3 +542,39 @@ async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_pat
         logprobs = torch.log_softmax(logits, dim=-1)
         expected = [float(logprobs[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)]
         assert result["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+async def test_an_experiment_with_an_adapter_parameter_calls_that_adapter(
+    experiments, url, smol_tokenizer, tmp_path
+):
+    from test_adapters import _retry_unknown, fake_adapter
+
+    from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
+
+    path = fake_adapter(tmp_path / "exp-a", b"experiment adapter")
+    admin = redis.asyncio.Redis.from_url(url)
+    try:
+        record = AdapterRecord("exp-a", str(path), adapter_revision(path))
+        await AdapterRegistry(admin, KeySpace(), MODEL).add(record)
+    finally:
+        await admin.aclose()
+    tuned = MockAsyncLM(smol_tokenizer)
+    await tuned.load_adapter("exp-a", str(path))
+    rows = [{"context": "The capital of France is", "continuation": " Paris"}]
+
+    async def scored() -> dict:
+        exp_id = await experiments.submit("score", {"rows": rows}, model=MODEL, adapter="exp-a")
+        status = await experiments.wait(exp_id, 60)
+        if status.status == "failed" and "UnknownAdapter" in status.error:
+            raise UnknownAdapter(status.error)  # the worker has not loaded it yet: again
+        assert status.status == "complete", status
+        return (await experiments.results(exp_id))[0]
+
+    result = await _retry_unknown(scored, timeout_s=20)
+    ctx = smol_tokenizer.encode(rows[0]["context"], add_special_tokens=False)
+    cont = result["tokens"]
+    expected = [float(tuned.logprobs_of(ctx + cont[:i], "exp-a")[t]) for i, t in enumerate(cont)]
+    assert result["token_logprobs"] == pytest.approx(expected, abs=1e-6)
+    exp_id = await experiments.submit("score", {"rows": rows, "adapter": "nope"}, model=MODEL)
+    status = await experiments.wait(exp_id, 60)
+    assert status.status == "failed" and "UnknownAdapter" in status.error

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.adapters import parse_adapter_spec
+from lmqueue.shared.errors import InvalidName, SettingsError
 from lmqueue.shared.failures import ArgumentParser, configure_logging, report_failure
 from lmqueue.shared.redis_errors import redis_boundary
 from lmqueue.shared.redis_roles import connect_redis_roles
@@ -64,6 +65,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="request stream partitions for prefix affinity, the same on every worker of the "
         "model (LMQ_PARTITIONS; 1: one stream)",
     )  # fmt: skip
+    parser.add_argument(
+        "--adapter", action="append", metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in directory PATH as NAME (public; repeatable)",
+    )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of failures")
     return parser
 
@@ -91,6 +96,11 @@ def settings_from_args(
             raise SettingsError(f"--backend-opts={args.backend_opts!r}: {exc}") from None
         if not isinstance(overrides["backend_opts"], dict):
             raise SettingsError(f"--backend-opts={args.backend_opts!r}: expected a JSON object")
+    if getattr(args, "adapter", None):
+        try:
+            overrides["adapters"] = dict(parse_adapter_spec(spec) for spec in args.adapter)
+        except InvalidName as exc:
+            raise SettingsError(f"--adapter: {exc.message}") from None
     return WorkerSettings.from_env(environ, **overrides)
 
 

@@ -2,7 +2,8 @@
 
 * a heartbeat, which also writes the stats hash `lmq status` reads and re-publishes the model
   after a Redis restart (the registry entry is gone);
-* a tenant refresh, so new tenants and changed weights are served within a few seconds;
+* a tenant refresh, so new tenants and changed weights are served within a few seconds, and
+  so are LoRA adapters added or removed in the model's registry (`AdapterSet`);
 * a janitor sweep, which answers entries abandoned by dead workers on every lane, and prunes;
 * claims of entries read ahead, waiting in the fair-share scheduler for a batch, kept fresh
   (as a running batch keeps its own), so no janitor reclaims them during a long forward;
@@ -32,6 +33,7 @@ from lmqueue.shared.registry import ModelInfo, ModelRegistry
 from lmqueue.shared.settings import WorkerSettings
 from lmqueue.shared.worker_stats import WorkerStats, write_worker_stats
 
+from .adapter_set import AdapterSet
 from .fair_share import FairShare
 from .health import HealthState
 from .metrics import WorkerMetrics
@@ -59,6 +61,7 @@ class UpkeepParts:
     metrics: WorkerMetrics
     lanes: TenantLanes
     scheduler: FairShare[tuple[Lane, Entry]]
+    adapters: AdapterSet
 
 
 #: Re-publish the model (its registry entry vanished, e.g. after a Redis restart).
@@ -166,8 +169,10 @@ class Upkeep:
                 logger.warning("reading tenants failed: %s", exc)
 
     async def refresh_tenants(self) -> None:
-        """Read the tenant list again and give the scheduler each lane's weight."""
+        """Read the tenant list again and give the scheduler each lane's weight; load added
+        LoRA adapters and unload removed ones."""
         parts = self.parts
+        await parts.adapters.refresh()
         await parts.lanes.refresh()
         for lane in parts.lanes:
             parts.scheduler.set_weight(lane.tenant, lane.weight)

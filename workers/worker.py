@@ -37,6 +37,7 @@ from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from lmqueue.shared.settings import WorkerSettings
 
+from .adapter_set import AdapterSet
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
@@ -82,9 +83,11 @@ class Worker:
         self.health = health or health_state(settings)
         self.metrics.watch_cluster(self.cluster_rebuilds)
         self.health.watch_cluster(self.cluster_rebuilds)
+        self.adapters = AdapterSet(backend, redis, self.keys, settings.model, settings.adapters)
         self.lanes = TenantLanes(
-            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
-        )
+            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics,
+            self.adapters,
+        )  # fmt: skip
         self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
         self.prefetch = prefetch
         self.answered = 0
@@ -93,7 +96,7 @@ class Worker:
         self.slot = BackendSlot()
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
-            self.lanes, self.scheduler,
+            self.lanes, self.scheduler, self.adapters,
         )  # fmt: skip
         self.upkeep = Upkeep(parts, self.publish, self.recover)
 
@@ -148,6 +151,7 @@ class Worker:
                 tokenizer_to_files, self.backend.tokenizer
             )
         await self.lanes.reader.check_peers()
+        await self.adapters.publish_own()
         await self.upkeep.refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]

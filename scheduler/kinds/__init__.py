@@ -4,6 +4,11 @@ Built in: ``score`` (log-probabilities of continuations), ``sample`` (ancestral 
 ``smc`` (constrained sequential Monte Carlo). Custom kinds are registered by name in the
 scheduler's settings as ``"module:function"``, the way arq registers functions: a tenant can
 only run kinds the operator registered, never import code of its choosing.
+
+Every kind that calls a model takes the parameter ``adapter``: the name of a LoRA adapter of
+the model, which the `lm` handed to the kind is bound to (`scheduler.run`), so each of its
+calls computes under that adapter; absent or null, the base model. Comparing fine-tunes is
+then one submission per adapter of the same kind and parameters.
 """
 
 from __future__ import annotations

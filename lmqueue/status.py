@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.redis_errors import redis_boundary
 from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
 from lmqueue.shared.registry import ModelInfo
@@ -82,6 +83,9 @@ def render_text(status: dict[str, Any]) -> str:
         for name, w in stale:
             lines.append(f"  {name}: STALE, heartbeat silent for {_age(w['heartbeat_age_s'])}"
                          " (killed, frozen or cut off from Redis?)")  # fmt: skip
+        lines += _rebuild_lines(info["workers"], status.get("time_ms"))
+    if status.get("cluster_rebuilds"):
+        lines.append(f"this connection: Redis Cluster client rebuilt {status['cluster_rebuilds']}x")
     for role in ("queue", "cache"):
         m = status[role]
         if role == "cache" and m.get("unreadable"):
@@ -97,6 +101,17 @@ def render_text(status: dict[str, Any]) -> str:
             f"{m['evicted_keys']} evicted, hit rate {rate}"
         )
     return "\n".join(lines)
+
+
+def _rebuild_lines(workers: dict[str, Any], now_ms: int | None) -> list[str]:
+    """One line per worker whose Redis Cluster client lost every node and was rebuilt."""
+    lines = []
+    for name, w in workers.items():
+        if w.get("cluster_rebuilds"):
+            ago = (now_ms - w["cluster_rebuilt_ms"]) / 1000 if now_ms else None
+            lines.append(f"  {name}: Redis Cluster client rebuilt {w['cluster_rebuilds']}x, "
+                         f"last {_age(ago)} ago")  # fmt: skip
+    return lines
 
 
 def _row(name: str, *cells: Any) -> str:
@@ -147,6 +162,7 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
                 redis, settings.keyspace(), cache, args.tenant, args.model
             )
             status["url"] = mask_url(settings.url)
+            status["cluster_rebuilds"] = cluster_rebuilds(redis, cache)[0]
             if roles.separate and roles.cache_url:
                 status["cache"]["url"] = mask_url(roles.cache_url)
             if roles.separate and roles.cache is None:

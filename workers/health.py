@@ -13,7 +13,8 @@ thread (prometheus_client is thread-safe), so a busy loop can still be scraped.
   (model loading: use a startup probe) and when either went quiet. A Redis outage does not
   fail liveness (restarting the worker would not bring Redis back); it fails readiness.
 - ``/readyz`` (readiness): 200 while the model is loaded and published and the last heartbeat
-  reached Redis within `heartbeat_stale_s`; 503 while loading, when Redis is unreachable and
+  reached Redis within `heartbeat_stale_s`; 503 while loading, when Redis is unreachable, while
+  a Redis Cluster client is being rebuilt (it lost every node: `shared.cluster_client`) and
   from the moment the worker is told to stop.
 - ``/metrics``: the Prometheus text exposition of the worker's registry.
 
@@ -71,6 +72,7 @@ class HealthState:
         self._loop_tick = 0.0
         self._heartbeat_run = 0.0
         self._heartbeat_ok = 0.0
+        self._cluster: Callable[[], tuple[int, bool]] = lambda: (0, False)
 
     def mark_serving(self) -> None:
         """The read loop is about to start: liveness is judged from now on."""
@@ -86,6 +88,11 @@ class HealthState:
     def mark_stopping(self) -> None:
         """The worker was told to stop: it takes no new work, so it is not ready."""
         self.stopping = True
+
+    def watch_cluster(self, state: Callable[[], tuple[int, bool]]) -> None:
+        """Judge readiness also by `state` (rebuilds so far, one under way) of the worker's
+        Redis Cluster clients: a worker rebuilding its cluster connection takes no work."""
+        self._cluster = state
 
     def tick(self) -> None:
         """The read loop turned."""
@@ -115,6 +122,9 @@ class HealthState:
             return False, "stopping"
         if not self.published:
             return False, "loading"
+        rebuilds, rebuilding = self._cluster()
+        if rebuilding:
+            return False, f"rebuilding the Redis Cluster connection (rebuild {rebuilds})"
         age_s = self.clock() - self._heartbeat_ok
         if age_s > self.heartbeat_stale_s:
             return False, f"no heartbeat reached Redis for {age_s:.0f} s"

@@ -25,6 +25,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry
@@ -74,6 +75,8 @@ class Upkeep:
         self._publish, self._recover = publish, recover
         self._started_ms = int(time.time() * 1000)
         self._stats_refused = False
+        self._rebuilds_seen = 0
+        self._rebuilt_ms = 0
 
     def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         """Start the heartbeat, the tenant refresh and readiness; they run until `stop`."""
@@ -130,6 +133,7 @@ class Upkeep:
             tuple(parts.lanes.tenants()), settings.batch_size,
             self._started_ms, int(time.time() * 1000), metrics.batches_total,
             metrics.requests_total, batches_per_s, requests_per_s, hits, misses,
+            *self._cluster_rebuilds(),
         )  # fmt: skip
         ttl_s = max(10, int(5 * settings.heartbeat_s))
         try:
@@ -138,6 +142,14 @@ class Upkeep:
             if not self._stats_refused:
                 logger.warning("writing the stats hash failed: %s", exc)
             self._stats_refused = True
+
+    def _cluster_rebuilds(self) -> tuple[int, int]:
+        """The worker's cluster-client rebuilds so far and when the count last grew (Unix ms)."""
+        lanes = self.parts.lanes
+        rebuilds, _ = cluster_rebuilds(lanes.redis, lanes.cache_redis)
+        if rebuilds != self._rebuilds_seen:
+            self._rebuilds_seen, self._rebuilt_ms = rebuilds, int(time.time() * 1000)
+        return rebuilds, self._rebuilt_ms
 
     async def _not_ready_once(self, stop: asyncio.Event) -> None:
         """Fail readiness the moment the worker is told to stop, not when its loop notices."""

@@ -30,6 +30,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
@@ -79,6 +80,8 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(settings.model)
         self.metrics.watch_backend(backend)
         self.health = health or health_state(settings)
+        self.metrics.watch_cluster(self.cluster_rebuilds)
+        self.health.watch_cluster(self.cluster_rebuilds)
         self.lanes = TenantLanes(
             redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
         )
@@ -93,6 +96,10 @@ class Worker:
             self.lanes, self.scheduler,
         )  # fmt: skip
         self.upkeep = Upkeep(parts, self.publish, self.recover)
+
+    def cluster_rebuilds(self) -> tuple[int, bool]:
+        """Rebuilds of this worker's Redis Cluster clients so far, and whether one runs now."""
+        return cluster_rebuilds(self.lanes.redis, self.lanes.cache_redis)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property

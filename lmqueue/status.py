@@ -88,6 +88,9 @@ def render_text(status: dict[str, Any]) -> str:
         lines.append(f"this connection: Redis Cluster client rebuilt {status['cluster_rebuilds']}x")
     for role in ("queue", "cache"):
         m = status[role]
+        if role == "cache" and m.get("unreadable"):
+            lines.append("cache redis: a separate instance this user cannot read (see above)")
+            continue
         if role == "cache" and m.get("same_instance_as_queue"):
             lines.append("cache redis: the queue instance (no separate cache)")
             continue
@@ -141,12 +144,14 @@ async def _connect(settings: RedisSettings) -> RedisRoles:
     for name in sorted(await queue.smembers(settings.keyspace().models())):
         raw = await queue.get(settings.keyspace().model_info(_text(name)))
         published = published or (ModelInfo.from_bytes(raw).cache_address if raw else "")
-    return await connect_redis_roles(settings, published, queue=queue)
+    # a user without access to the cache still sees the queue (one warning says why)
+    return await connect_redis_roles(settings, published, cache_required=False, queue=queue)
 
 
 async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
     roles = await _connect(settings)
     redis, cache = roles.queue, roles.cache if roles.separate else None
+    # (a separate cache this user cannot read: the queue's figures, replaced below)
     tty = sys.stdout.isatty()
     try:
         if args.metrics_port:
@@ -160,6 +165,8 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
             status["cluster_rebuilds"] = cluster_rebuilds(redis, cache)[0]
             if roles.separate and roles.cache_url:
                 status["cache"]["url"] = mask_url(roles.cache_url)
+            if roles.separate and roles.cache is None:
+                status["cache"] = {"unreadable": True}
             text = json.dumps(status, indent=2) if args.json else render_text(status)
             if args.watch and not args.json:
                 clear = "\x1b[H\x1b[2J" if tty else ""  # a pipe gets refreshes one after another

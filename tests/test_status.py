@@ -325,3 +325,24 @@ def test_a_killed_worker_is_marked_stale_and_one_instance_is_said_to_be_one(
     main(["status", "--redis-url", password_url])
     out, err = capsys.readouterr()
     assert "pw-not-shown" not in out + err and "default:***@" in out + err
+
+
+def test_a_published_cache_the_user_cannot_read_is_said_and_the_queue_still_shown(
+    redis_url, capsys
+) -> None:
+    import redis as redis_sync
+
+    from lmqueue.cli import main
+    from lmqueue.shared.registry import ModelInfo
+
+    with LocalRedis() as cache:
+        redis_sync.Redis.from_url(cache.url).config_set("requirepass", "not-yours")
+        admin = redis_sync.Redis.from_url(redis_url)
+        info = ModelInfo("m", "r", "mock", 10, 10, 0, cache_address=cache.url)
+        admin.set(KEYS.model_info("m"), info.to_bytes())
+        admin.sadd(KEYS.models(), "m")
+        admin.close()
+        assert main(["status", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "model m: backlog 0" in out
+    assert "cache redis: a separate instance this user cannot read" in out

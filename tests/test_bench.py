@@ -181,3 +181,43 @@ def test_affinity_benchmark_counts_the_prompt_tokens_each_configuration_computed
     assert set(result["ratios"]) == {"on_tokens", "off_tokens", "on_calls_per_s", "off_calls_per_s"}
     assert all(ratio > 0 for ratio in result["ratios"].values())
     assert _last_line(capsys.readouterr().out).startswith("affinity ratio 2 workers/1 worker")
+
+
+def test_the_anchor_grid_holds_its_defaults_the_particle_count_and_lmqueues_settings() -> None:
+    pytest.importorskip("genlm.backend")
+    from lmqueue.bench.anchor_grid import best, grid
+
+    points = grid(16)
+    assert [(p.batch_size, p.timeout_s) for p in points] == [
+        (20, 0.02), (20, 0.005), (16, 0.02), (16, 0.005), (32, 0.02), (32, 0.005),
+    ]  # fmt: skip
+    assert len(grid(20)) == 4  # the particle count is the default: each point once
+    assert grid(16, "defaults") == points[:1]
+    per_s = {p.label: float(i) for i, p in enumerate(points)}
+    per_s[points[2].label] = 99.0
+    assert best(per_s, points) == points[2]
+
+
+def test_a_tail_shows_in_the_histogram_and_the_worst_run_is_the_figure() -> None:
+    from lmqueue.bench.tails import latency_figures, spread
+
+    values = [0.08] * 990 + [0.45] * 10  # one held forward's calls
+    figures = latency_figures(values)
+    assert figures["p50_s"] == 0.08 and figures["p999_s"] == 0.45
+    edges, counts = figures["histogram_ms"]["edges"], figures["histogram_ms"]["counts"]
+    assert len(counts) == len(edges) + 1 and sum(counts) == 1000
+    assert counts[edges.index(100)] == 990 and counts[edges.index(500)] == 10
+    runs = [{"p99": 1.8, "tput": 0.97}, {"p99": 2.4, "tput": 0.95}, {"p99": 1.9, "tput": 0.99}]
+    summary = spread(runs, {"p99": True, "tput": False})
+    assert summary["p99"]["worst"] == 2.4 and summary["p99"]["median"] == 1.9
+    assert summary["tput"]["worst"] == 0.95
+
+
+def test_without_resp_pipe_the_clients_take_redis_pys_path() -> None:
+    from lmqueue.bench.transport import _without_resp_pipe
+    from producer.resp_pipe import RespPipe
+
+    assert RespPipe.supports("redis://127.0.0.1:6379")
+    with _without_resp_pipe():
+        assert not RespPipe.supports("redis://127.0.0.1:6379")
+    assert RespPipe.supports("redis://127.0.0.1:6379")

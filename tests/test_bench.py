@@ -215,7 +215,7 @@ def test_a_tail_shows_in_the_histogram_and_the_worst_run_is_the_figure() -> None
 
 def test_without_resp_pipe_the_clients_take_redis_pys_path() -> None:
     from lmqueue.bench.transport import _without_resp_pipe
-    from producer.resp_pipe import RespPipe
+    from lmqueue.producer.resp_pipe import RespPipe
 
     assert RespPipe.supports("redis://127.0.0.1:6379")
     with _without_resp_pipe():

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from shared.errors import Cancelled, EmptyPrompt, ModelError, PromptTooLong
-from shared.lm.tokens import Token
-from workers.backends import engine_imports
-from workers.backends.engine_imports import SGLANG, MissingEngine, SGLEngine, import_engine
-from workers.backends.sgl import AsyncSGLTransformer
+from lmqueue.shared.errors import Cancelled, EmptyPrompt, ModelError, PromptTooLong
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.workers.backends import engine_imports
+from lmqueue.workers.backends.engine_imports import SGLANG, MissingEngine, SGLEngine, import_engine
+from lmqueue.workers.backends.sgl import AsyncSGLTransformer
 
 VOCAB = 24
 

@@ -10,7 +10,7 @@ import gc
 import time
 from typing import Any
 
-from workers.backends.mock import MockAsyncLM
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 

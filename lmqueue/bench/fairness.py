@@ -38,10 +38,10 @@ from typing import Any
 
 import redis
 
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
-from shared.tenants import TenantConfig
 
 from .fairness_plot import plot
 from .load import distinct_prompt

@@ -20,10 +20,10 @@ from typing import Any
 
 import redis
 
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
-from shared.tenants import TenantConfig
 
 from .fairness import Loop, freeze_heap
 from .report import Report

@@ -18,7 +18,7 @@ import contextlib
 import os
 from typing import Any
 
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import closed_loop, distinct_prompt
 from .report import Report

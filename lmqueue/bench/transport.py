@@ -28,8 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import Window, closed_loop, distinct_prompt
 from .probe import run_probe
@@ -93,7 +93,7 @@ def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:
     """Clients made meanwhile in this process take redis-py's path for replies and claims."""
     from unittest import mock
 
-    from producer.resp_pipe import RespPipe
+    from lmqueue.producer.resp_pipe import RespPipe
 
     return mock.patch.object(RespPipe, "supports", staticmethod(lambda url: False))
 

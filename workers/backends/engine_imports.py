@@ -21,7 +21,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from shared.errors import BadRequest, ModelError
+from lmqueue.shared.errors import BadRequest, ModelError
 
 from .vllm_logits import TAG_KEY, RowSink, capture_processor_class
 

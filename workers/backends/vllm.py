@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from shared.errors import BadRequest, Cancelled, ModelError
-from shared.lm.validation import reject_adapter
+from lmqueue.shared.errors import BadRequest, Cancelled, ModelError
+from lmqueue.shared.lm.validation import reject_adapter
 
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import VLLM, VLLMEngine, build_vllm_engine, require
@@ -82,7 +82,7 @@ class AsyncVirtualLM(EngineBackend):
             SettingsError: an option this backend does not accept.
             MissingEngine: vLLM is not installed (``pip install 'lmqueue[vllm]'``).
         """
-        from workers.models import load_tokenizer
+        from lmqueue.workers.models import load_tokenizer
 
         check_options(cls.backend_name, options, cls.OPTIONS)
         require(VLLM)  # before minutes of loading

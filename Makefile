@@ -1,18 +1,23 @@
-# The two commands of the README's quickstart. Each installs what is missing first.
+# The two commands of the README's quickstart. Each installs what is missing first, into the
+# virtual environment $(VENV) (scripts/bootstrap.sh; versions from constraints.txt).
 .PHONY: demo test test-scenarios bootstrap lint
+
+VENV ?= .venv
+export LMQ_VENV := $(VENV)
+PYTHON := $(VENV)/bin/python
 
 bootstrap:
 	@bash scripts/bootstrap.sh
 
 demo: bootstrap
-	lmq demo
+	$(VENV)/bin/lmq demo
 
 test: bootstrap
-	python3 -m pytest -m "not scenario"
+	$(PYTHON) -m pytest -m "not scenario"
 
 # The long fault scenarios (tests/faults): kills, restarts, failovers. CI runs them after `test`.
 test-scenarios: bootstrap
-	python3 -m pytest -m scenario
+	$(PYTHON) -m pytest -m scenario
 
-lint:
-	ruff check . && ruff format --check . && mypy
+lint: bootstrap
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && PYTHON=$(PYTHON) scripts/typecheck.sh

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import ModelError, UnknownModel
+from lmqueue.shared.lm.smc import SMCResult, lipogram_mask, run_smc
 from lmqueue.shared.settings import configured_redis_url
 
 from .local_redis import LocalRedis
-from .smc import SMCResult, lipogram_mask, run_smc
 from .worker_processes import WorkerProcess
 
 __all__ = ["add_arguments", "run"]

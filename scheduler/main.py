@@ -20,8 +20,8 @@ from lmqueue.shared.errors import SettingsError
 from lmqueue.shared.failures import report_failure
 from lmqueue.shared.settings import configured_control_url, configured_redis_url
 
+from .arq_worker import serve
 from .settings import SchedulerSettings
-from .worker import serve
 
 __all__ = ["add_arguments", "run", "main", "settings_from_args"]
 

@@ -215,10 +215,7 @@ class WorkerSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
         """Read ``LMQ_MODEL``, ``LMQ_BACKEND``, ``LMQ_BATCH_SIZE``, ...; `overrides` win."""
-        environ = os.environ if environ is None else environ
-        values = _from_environ(cls, environ, skip={"redis"})
-        values["redis"] = RedisSettings.from_env(environ)
-        values.update(overrides)
+        values = _process_values(cls, environ, overrides)
         values.setdefault("model", "")
         return cls(**values)
 
@@ -253,11 +250,7 @@ class ClientSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientSettings:
         """Read ``LMQ_TIMEOUT_S``, ``LMQ_WIRE_DTYPE``, ...; `overrides` win."""
-        environ = os.environ if environ is None else environ
-        values = _from_environ(cls, environ, skip={"redis"})
-        values["redis"] = RedisSettings.from_env(environ)
-        values.update(overrides)
-        return cls(**values)
+        return cls(**_process_values(cls, environ, overrides))
 
     @classmethod
     def resolve(
@@ -290,6 +283,17 @@ def _require_non_negative(settings: Any, *names: str) -> None:
     for name in names:
         if getattr(settings, name) < 0:
             raise SettingsError(f"{name}={getattr(settings, name)!r}: must be >= 0")
+
+
+def _process_values(
+    cls: type, environ: Mapping[str, str] | None, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """A process's settings (worker or client): its fields and its `RedisSettings` read from
+    `environ` (default: the process's), then `overrides` on top."""
+    environ = os.environ if environ is None else environ
+    values = _from_environ(cls, environ, skip={"redis"})
+    values["redis"] = RedisSettings.from_env(environ)
+    return {**values, **overrides}
 
 
 def _from_environ(cls: type, environ: Mapping[str, str], skip: set[str]) -> dict[str, Any]:

@@ -21,9 +21,9 @@ from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
 from lmqueue.scheduler.kinds.sample import draw_samples
 from lmqueue.shared.errors import Forbidden, UnknownExperiment
 from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 from lmqueue.shared.tenants import TenantConfig
-from lmqueue.smc import lipogram_mask, run_smc
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM

@@ -104,7 +104,9 @@ class TenantLanes:
         #: One gate for all lanes: a batch isolating a failure has the backend to itself.
         self.gate = ForwardGate()
         self.partitions = stream_partitions(info.partitions)
-        self.reader = PartitionReader(redis, settings, info.partitions, metrics)
+        self.reader: PartitionReader[Lane] = PartitionReader(
+            redis, settings, info.partitions, metrics
+        )
         self._lanes: dict[str, list[Lane]] = {}
         self._by_stream: dict[str, Lane] = {}
         self.default = self.of_tenant(self.keys.tenant)[0]

@@ -46,7 +46,7 @@ from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
-from .upkeep import Upkeep, health_state, sleep_unless
+from .upkeep import Upkeep, UpkeepParts, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -89,7 +89,11 @@ class Worker:
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
-        self.upkeep = Upkeep(self)
+        parts = UpkeepParts(
+            settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
+            self.lanes, self.scheduler,
+        )  # fmt: skip
+        self.upkeep = Upkeep(parts, self.publish, self.recover)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property

@@ -93,11 +93,11 @@ def kv_argument(model: Any) -> str:
     (``inspect.signature`` follows the deprecation decorator to the real function), and the
     output field carries the same name, so this is the one place that decides.
     """
-    return _kv_argument_of(type(model))
+    return _kv_argument_of(type(model))  # type: ignore[arg-type]  # a class is hashable
 
 
 @functools.cache
-def _kv_argument_of(model_class: type) -> str:
+def _kv_argument_of(model_class: Any) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 

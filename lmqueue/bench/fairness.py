@@ -198,6 +198,7 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
                     local_cache_size=0, timeout_s=600, max_inflight=4096,
                 )  # fmt: skip
                 clients[name] = await connect_client(args.model, settings, workers)
+            await _first_calls(clients, report, prefix)
             freeze_heap()
             fair = await _flood_and_light(args, clients["a"], clients["b"], 10, pauses)
             report.figure(f"{prefix}fair_share", fair, line=_line("fair share", fair))
@@ -210,6 +211,17 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
         finally:
             await asyncio.gather(*(lm.close() for lm in clients.values()))
     return {"fair": fair, "fifo": fifo, "weights": weighted, "load_avg": load_avg()}
+
+
+async def _first_calls(clients: dict[str, QueueLM], report: Report, prefix: str) -> None:
+    """One call of each client before any window: a fresh worker's first calls of a tenant
+    took 3.9-4.9 s here (with or without the heap freezes; not investigated further), a cold
+    start that a 3 s warm-up did not always absorb on a loaded machine, not a tail."""
+    started = time.perf_counter()
+    await asyncio.gather(*(lm.next_token_logprobs(distinct_prompt(i, 99, PROMPT_TOKENS))
+                           for i, lm in enumerate(clients.values())))  # fmt: skip
+    took_s = round(time.perf_counter() - started, 2)
+    report.figure(f"{prefix}first_calls_s", took_s, line=f"first call of every client: {took_s} s")
 
 
 def freeze_heap() -> None:

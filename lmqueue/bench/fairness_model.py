@@ -133,6 +133,9 @@ async def _run_once(args: argparse.Namespace) -> dict[str, Any]:
                     local_cache_size=0, timeout_s=600, max_inflight=4096,
                 )  # fmt: skip
                 clients.append(await connect_client(args.real_model, settings, workers))
+            await asyncio.gather(
+                *(lm.next_token_logprobs([1, 2, 3, i]) for i, lm in enumerate(clients))
+            )  # cold start (fairness._first_calls)
             freeze_heap()
             return await _experiment(args, clients[0], clients[1])
         finally:

@@ -126,27 +126,37 @@ def test_programs_benchmark_runs_both_sides_in_separate_processes(
     assert _last_line(capsys.readouterr().out).startswith("programs ratio lmqueue/genlm: K=1")
 
 
-def test_fairness_benchmark_reports_fair_share_beside_fifo(
+def test_fairness_benchmark_reports_every_run_its_tail_and_the_worst_beside_the_median(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     flags = (
         "--warmup-s 0.3 --measure-s 1.5 --flood-inflight 200 --weighted-inflight 50 "
-        "--light-inflight 8 --docs-plot="
+        "--light-inflight 8 --repeats 2 --docs-plot="
     )
     argv = ["fairness", *flags.split(), "--out-dir", str(tmp_path)]
     assert bench_main(argv) == 0
     result = _result(tmp_path, "fairness")
-    for scheme in ("fair_share", "fifo"):
-        figures = result["figures"][scheme]
-        assert figures["light_alone"]["calls"] > 0 and figures["light_under_flood"]["calls"] > 0
-        assert figures["tokens_per_s_flood_alone"] > 0
-    assert set(result["ratios"]) == {
-        "p99_under_flood_over_alone", "p99_under_flood_over_alone_fifo",
-        "weighted_tokens_2_over_1", "throughput_under_flood_over_alone",
-    }  # fmt: skip
-    assert result["figures"]["weights"]["tokens_weight_2"] > 0
+    for run in ("run1", "run2"):
+        for scheme in ("fair_share", "fifo"):
+            figures = result["figures"][f"{run}.{scheme}"]
+            alone, under = figures["light_alone"], figures["light_under_flood"]
+            assert alone["calls"] > 0 and under["calls"] > 0
+            assert alone["p50_s"] <= alone["p99_s"] <= alone["p999_s"] <= alone["max_s"]
+            assert sum(under["histogram_ms"]["counts"]) == under["calls"]
+            assert len(figures["light_under_flood_ms"]) == under["calls"]
+            assert figures["tokens_per_s_flood_alone"] > 0
+        assert result["figures"][f"{run}.weights"]["tokens_weight_2"] > 0
+    runs = result["figures"]["spread"]["runs"]
+    p99s = [run["p99_ratio"] for run in runs]
+    assert len(runs) == 2 and all(run["load_avg"] for run in runs)
+    assert result["ratios"]["p99_under_flood_over_alone"] == max(p99s)
+    assert result["ratios"]["throughput_under_flood_over_alone"] == min(
+        run["throughput_ratio"] for run in runs
+    )
     assert (tmp_path / "fairness.png").stat().st_size > 0
-    assert _last_line(capsys.readouterr().out).startswith("fairness: B's p99 under flood")
+    out = capsys.readouterr().out
+    assert "B under flood:" in out and "p99.9" in out and "run 2:" in out
+    assert _last_line(out).startswith("fairness (2 run(s), worst / median): B's p99 under flood")
 
 
 def test_affinity_benchmark_counts_the_prompt_tokens_each_configuration_computed(
@@ -171,3 +181,43 @@ def test_affinity_benchmark_counts_the_prompt_tokens_each_configuration_computed
     assert set(result["ratios"]) == {"on_tokens", "off_tokens", "on_calls_per_s", "off_calls_per_s"}
     assert all(ratio > 0 for ratio in result["ratios"].values())
     assert _last_line(capsys.readouterr().out).startswith("affinity ratio 2 workers/1 worker")
+
+
+def test_the_anchor_grid_holds_its_defaults_the_particle_count_and_lmqueues_settings() -> None:
+    pytest.importorskip("genlm.backend")
+    from lmqueue.bench.anchor_grid import best, grid
+
+    points = grid(16)
+    assert [(p.batch_size, p.timeout_s) for p in points] == [
+        (20, 0.02), (20, 0.005), (16, 0.02), (16, 0.005), (32, 0.02), (32, 0.005),
+    ]  # fmt: skip
+    assert len(grid(20)) == 4  # the particle count is the default: each point once
+    assert grid(16, "defaults") == points[:1]
+    per_s = {p.label: float(i) for i, p in enumerate(points)}
+    per_s[points[2].label] = 99.0
+    assert best(per_s, points) == points[2]
+
+
+def test_a_tail_shows_in_the_histogram_and_the_worst_run_is_the_figure() -> None:
+    from lmqueue.bench.tails import latency_figures, spread
+
+    values = [0.08] * 990 + [0.45] * 10  # one held forward's calls
+    figures = latency_figures(values)
+    assert figures["p50_s"] == 0.08 and figures["p999_s"] == 0.45
+    edges, counts = figures["histogram_ms"]["edges"], figures["histogram_ms"]["counts"]
+    assert len(counts) == len(edges) + 1 and sum(counts) == 1000
+    assert counts[edges.index(100)] == 990 and counts[edges.index(500)] == 10
+    runs = [{"p99": 1.8, "tput": 0.97}, {"p99": 2.4, "tput": 0.95}, {"p99": 1.9, "tput": 0.99}]
+    summary = spread(runs, {"p99": True, "tput": False})
+    assert summary["p99"]["worst"] == 2.4 and summary["p99"]["median"] == 1.9
+    assert summary["tput"]["worst"] == 0.95
+
+
+def test_without_resp_pipe_the_clients_take_redis_pys_path() -> None:
+    from lmqueue.bench.transport import _without_resp_pipe
+    from lmqueue.producer.resp_pipe import RespPipe
+
+    assert RespPipe.supports("redis://127.0.0.1:6379")
+    with _without_resp_pipe():
+        assert not RespPipe.supports("redis://127.0.0.1:6379")
+    assert RespPipe.supports("redis://127.0.0.1:6379")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
@@ -177,6 +178,7 @@ class Worker:
             await self._serve(stop)
 
     async def _serve(self, stop: asyncio.Event) -> None:
+        _freeze_startup_heap()  # before publishing: clients may send once it is published
         await self._retry_until_up(self.publish, stop)
         background = self.upkeep.start(stop)
         self.health.mark_serving()
@@ -390,6 +392,24 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
+
+
+def _freeze_startup_heap() -> None:
+    """Move everything alive once the worker has started (torch, the model, the tokenizer,
+    the imported modules) out of the garbage collector's reach.
+
+    Python's full (generation 2) collection traverses every tracked object; with torch and
+    a model loaded one took 150-365 ms on this machine (mock backend, loaded machine), and
+    the loop, so every tenant's next batch, waited for it. Under a flood that allocates
+    steadily one ran every ~40-70 s, and it was the whole of a light tenant's p99 tail: the
+    16 calls of the forward it held were the 16 slowest of 768 (issue 23; BENCHMARKS.md).
+    Frozen objects are not traversed (nor collected: what dies later is freed by reference
+    counting as before); what the worker allocates while serving is collected in short
+    passes. Called once per `serve`; a test process serving several workers freezes again.
+    """
+    gc.collect()
+    gc.freeze()
+    logger.debug("froze %d objects of the startup heap", gc.get_freeze_count())
 
 
 def _estimated_tokens(entry: Entry) -> int:

@@ -4,7 +4,9 @@ Three sides run the same sampler (`workload.Workload`: 16 particles, a 100-token
 steps, lipogram constraint with resampling), one after another in one run:
 
 * ``genlm``: genlm-backend 0.3.1's ``AsyncTransformer`` in this process, built from the same
-  model and tokenizer objects, with ``cache_kv(prompt)`` first as its documentation advises;
+  model and tokenizer objects, with ``cache_kv(prompt)`` first as its documentation advises,
+  on every point of `anchor_grid` (its batch size and timeout: its defaults, the particle
+  count, lmqueue's); the ratios divide by the best point of the same run;
 * ``inprocess``: lmqueue's own HF backend (`workers.backends.hf.AsyncTransformer`) in this
   process with the worker's batching settings, also with ``cache_kv(prompt)``: the backend's
   speed without the queue;
@@ -31,6 +33,7 @@ from typing import Any
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
+from .anchor_grid import AnchorConfig, add_grid_argument, best, grid
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
 from .workload import Workload, bench_prompt, result_figures
@@ -52,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=1, help="rounds of all sides, each its own prompt; median"
     )
     parser.add_argument("--timeout-s", type=float, default=600, help="fail a side that hangs")
+    add_grid_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
 
@@ -76,11 +80,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.figure("prompt_tokens", len(workload.prompt))
         if workers:
             asyncio.run(wait_for_workers(server.url, args.model, workers))
+        points = grid(args.particles, args.anchor_grid) if "genlm" in sides else []
+        report.figure("anchor_grid", [p.label for p in points],
+                      line=f"anchor grid: {', '.join(p.label for p in points)}")  # fmt: skip
         runners: dict[str, Callable[[Workload], Awaitable[dict[str, Any]]]] = {
-            "genlm": lambda w: _genlm(model, tokenizer, w),
-            "inprocess": lambda w: _inprocess(model, tokenizer, w),
-            "lmqueue": lambda w: _lmqueue(args.model, server.url, workers, w),
+            point.label: _genlm_runner(model, tokenizer, point) for point in points
         }
+        if "inprocess" in sides:
+            runners["inprocess"] = lambda w: _inprocess(model, tokenizer, w)
+        if "lmqueue" in sides:
+            runners["lmqueue"] = lambda w: _lmqueue(args.model, server.url, workers, w)
         rounds = [
             dataclasses.replace(
                 workload,
@@ -89,8 +98,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )  # fmt: skip
             for index in range(args.repeats)
         ]
-        per_s = _rounds({side: runners[side] for side in sides}, rounds, args, report)
-    return report.finish(*_ratios(per_s), args.out_dir)
+        per_s, by_round = _rounds(runners, rounds, args, report)
+    ratios, summary = _ratios(per_s, points)
+    spread = _round_ratios(by_round, points, report)
+    if spread:
+        ratios["lmqueue_over_genlm_by_round"] = spread
+        summary += (f"; by round lmqueue/genlm's best worst {min(spread):.2f}x, median "
+                    f"{statistics.median(spread):.2f}x of {len(spread)}")  # fmt: skip
+    return report.finish(ratios, summary, args.out_dir)
+
+
+def _round_ratios(
+    by_round: dict[str, list[float]], points: list[AnchorConfig], report: Report
+) -> list[float]:
+    """lmqueue over genlm's best point of the same round, for each round (interleaved runs)."""
+    if not points or "lmqueue" not in by_round:
+        return []
+    ratios = []
+    for index, lmq in enumerate(by_round["lmqueue"]):
+        top = max(by_round[point.label][index] for point in points)
+        ratios.append(round(lmq / top, 3) if top else 0.0)
+    report.figure("lmqueue_over_genlm_best_by_round", ratios,
+                  line=f"lmqueue / genlm's best point, each round: {ratios}")  # fmt: skip
+    return ratios
 
 
 def _rounds(
@@ -98,8 +128,9 @@ def _rounds(
     workloads: list[Workload],
     args: argparse.Namespace,
     report: Report,
-) -> dict[str, float]:
-    """Run every side on each workload in turn, interleaved; the median calls/s of each.
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Run every side on each workload in turn, interleaved; the median calls/s of each, and
+    each round's.
 
     Interleaving means a load spike on a shared machine slows one round of every side rather
     than every round of one side. Each round has its own prompt (sharing no prefix with the
@@ -114,7 +145,7 @@ def _rounds(
             rounds[side].append(figures["calls_per_s"])
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())
             line = (
-                f"{side:<10} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
+                f"{side:<17} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
                 f"{figures['resamples']} resamples, {figures['elapsed_s']:.1f} s; "
                 f"CPU ms/call: {cpu})"
             )
@@ -122,29 +153,46 @@ def _rounds(
     per_s = {side: statistics.median(values) for side, values in rounds.items()}
     if args.repeats > 1:
         for side, value in per_s.items():
-            line = f"{side:<10} median {value:7.2f} calls/s"
+            line = f"{side:<17} median {value:7.2f} calls/s"
             report.figure(f"{side}.median_calls_per_s", value, line=line)
-    return per_s
+    return per_s, rounds
 
 
-def _ratios(per_s: dict[str, float]) -> tuple[dict[str, float | None], str]:
+def _ratios(per_s: dict[str, float], points: list[AnchorConfig]) -> tuple[dict[str, Any], str]:
+    """lmqueue and the in-process backend over the anchor's best point (and its defaults)."""
+    if points:
+        top, default = best(per_s, points), points[0]
+        per_s = {**per_s, "genlm": per_s[top.label], "genlm_defaults": per_s[default.label]}
+
     def ratio(a: str, b: str) -> float | None:
         return round(per_s[a] / per_s[b], 3) if a in per_s and per_s.get(b) else None
 
-    ratios = {
+    ratios: dict[str, Any] = {
         "lmqueue_over_genlm": ratio("lmqueue", "genlm"),
         "inprocess_over_genlm": ratio("inprocess", "genlm"),
         "lmqueue_over_inprocess": ratio("lmqueue", "inprocess"),
+        "lmqueue_over_genlm_defaults": ratio("lmqueue", "genlm_defaults"),
     }
-    shown = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if v is not None)
-    summary = f"model ratio: {shown}  [target lmqueue/genlm >= 1.0x, aim 2x]"
+    shown = ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items() if isinstance(v, float))
+    anchor = f" (genlm's best: {top.label}, {per_s['genlm']:.2f} calls/s)" if points else ""
+    if points:
+        ratios["genlm_best"] = top.label
+    summary = f"model ratio: {shown}{anchor}  [target lmqueue/genlm >= 1.0x, aim 2x]"
     return ratios, summary
 
 
-async def _genlm(model: Any, tokenizer: Any, workload: Workload) -> dict[str, Any]:
+def _genlm_runner(
+    model: Any, tokenizer: Any, point: AnchorConfig
+) -> Callable[[Workload], Awaitable[dict[str, Any]]]:
+    return lambda workload: _genlm(model, tokenizer, workload, point)
+
+
+async def _genlm(
+    model: Any, tokenizer: Any, workload: Workload, point: AnchorConfig
+) -> dict[str, Any]:
     from genlm.backend.llm import AsyncTransformer as GenlmTransformer
 
-    lm = GenlmTransformer(model, tokenizer)
+    lm = GenlmTransformer(model, tokenizer, **point.kwargs())
     lm.cache_kv(workload.prompt)
     meter = CpuMeter({"process": [os.getpid()]})
     meter.start()

@@ -34,7 +34,10 @@ async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
     from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    lm = GenlmTransformer(load_causal_lm(args.model), tokenizer)
+    knobs = {"batch_size": args.batch_size, "timeout": args.timeout}
+    lm = GenlmTransformer(load_causal_lm(args.model), tokenizer, **{
+        k: v for k, v in knobs.items() if v is not None
+    })  # fmt: skip
     workload = _workload(args, tokenizer, decode_vocab(tokenizer)[0])
     lm.cache_kv(workload.prompt)
     return await _timed(workload, lm)
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--adapter", default=None, help="lmqueue side: a LoRA adapter's name")
+    parser.add_argument("--batch-size", type=int, help="genlm's batch_size (its default)")
+    parser.add_argument("--timeout", type=float, help="genlm's timeout (its default)")
     args = parser.parse_args(argv)
     if args.side == "genlm":  # the client side never imports torch (see QueueLM)
         import torch

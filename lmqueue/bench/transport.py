@@ -9,6 +9,10 @@ dtype runs three configurations, interleaved, in one run:
   instance and the client looking there first (the recommended two-instance layout);
 * ``no_cache``: cache writes off (``LMQ_CACHE_WRITES=0``) and ``use_shared_cache=False``.
 
+``--no-resp-pipe`` makes the clients of this process receive replies and claim-checks through
+redis-py instead of `producer.resp_pipe.RespPipe` (as over TLS), to measure what that
+hand-written RESP client alone is worth: run it alternately with and without, same load.
+
 Prompts are all distinct, so no reply comes from a cache or from deduplication. Besides
 replies per second, each window reports the CPU microseconds per reply of the client, the
 worker (or probe reader) and Redis, which a loaded machine distorts far less.
@@ -59,20 +63,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     add_load_arguments(parser)
     parser.add_argument("--cache-maxmemory", default="256mb", help="of the defaults' cache Redis")
+    parser.add_argument(
+        "--resp-pipe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="clients read replies through RespPipe (off: redis-py, as on TLS)",
+    )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/transport.json``."""
     report = Report("transport", {k: str(v) for k, v in vars(args).items()})
-    ratios = asyncio.run(_run(args, report))
+    with contextlib.ExitStack() as stack:
+        if not args.resp_pipe:
+            stack.enter_context(_without_resp_pipe())
+        ratios = asyncio.run(_run(args, report))
     parts = []
     for dtype in _dtypes(args):
         defaults, no_cache = ratios[f"{dtype}.defaults"], ratios[f"{dtype}.no_cache"]
         parts.append(f"{dtype} {defaults:.2f}x (defaults) {no_cache:.2f}x (cache writes off)")
     headline = {k: v for k, v in ratios.items() if not k.endswith(".cpu")}
-    summary = "transport ratio lmqueue/raw-probe: " + "; ".join(parts) + "  [target >= 0.9x]"
+    pipe = "" if args.resp_pipe else " (RespPipe off: redis-py)"
+    summary = f"transport ratio lmqueue/raw-probe{pipe}: " + "; ".join(parts) + "  [target >= 0.9x]"
     return report.finish({**headline, **ratios}, summary, args.out_dir)
+
+
+def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:
+    """Clients made meanwhile in this process take redis-py's path for replies and claims."""
+    from unittest import mock
+
+    from lmqueue.producer.resp_pipe import RespPipe
+
+    return mock.patch.object(RespPipe, "supports", staticmethod(lambda url: False))
 
 
 def _dtypes(args: argparse.Namespace) -> list[str]:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+import redis
 import torch
 
 from lmqueue.local_redis import LocalRedis
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import EmptyPrompt, TokenOutOfVocabulary, UnknownModel
+from lmqueue.shared.keys import KeySpace
 from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 
@@ -32,6 +36,13 @@ def mock_workers(e2e_redis, tmp_path_factory):
         WorkerProcess("smollm2-135m", "mock", e2e_redis, f"e2e-{i}", log_dir=log_dir).start()
         for i in range(2)
     ]
+    # `lmq submit` asks once and reports an unpublished model at once (exit 2): wait for it
+    keys = KeySpace("lmq", "default")
+    client = redis.Redis.from_url(e2e_redis)
+    deadline = time.monotonic() + 120
+    while not client.exists(keys.model_info("smollm2-135m")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.close()
     yield workers
     for worker in workers:
         assert worker.stop() == 0, worker.log()
@@ -98,10 +109,13 @@ def test_lmq_submit_prints_the_most_likely_next_tokens(mock_workers, redis_url):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
+    header, *lines = done.stdout.strip().splitlines()
+    assert header.split() == ["token", "logprob", "prob", "text"]
     assert len(lines) == 3
-    probabilities = [float(line.split()[0]) for line in lines]
+    logprobs = [float(line.split()[1]) for line in lines]
+    probabilities = [float(line.split()[2]) for line in lines]
     assert probabilities == sorted(probabilities, reverse=True) and 0 < probabilities[0] <= 1
+    assert all(abs(math.exp(lp) - p) < 1e-3 for lp, p in zip(logprobs, probabilities, strict=True))
 
 
 async def test_hf_worker_processes_match_the_in_process_backend(

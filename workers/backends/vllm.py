@@ -2,7 +2,7 @@
 
 vLLM batches continuously: every query becomes one engine request (``max_tokens=1``) the
 moment it arrives, and each engine step runs whatever is waiting. Full-vocabulary rows come
-from the capture processor (`vllm_logits`) that `engine_imports.build_vllm_engine` installs;
+from the capture processor (`vllm_logits`) that `vllm_engine.build_vllm_engine` installs;
 a request's row is taken from the `RowSink` when vLLM reports the request finished.
 
 Threads: one engine thread owns the engine -- it adds requests, steps while any are live, and
@@ -29,8 +29,9 @@ from shared.errors import BadRequest, Cancelled, ModelError
 from shared.lm.validation import reject_adapter
 
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
-from .engine_imports import VLLM, VLLMEngine, build_vllm_engine, require
+from .engine_imports import VLLM, require
 from .options import check_options
+from .vllm_engine import VLLMEngine, build_vllm_engine
 
 __all__ = ["AsyncVirtualLM"]
 

@@ -479,6 +479,7 @@ class FakeVLLMEngine:
         self.finish_reason = "length"
         self.forget = False
         self.shut_down = False
+        self.prefix_resets: list[bool] = []
 
     def add_request(self, request_id: str, prompt: dict[str, list[int]], p: Any) -> None:
         if len(prompt["prompt_token_ids"]) > 40:
@@ -495,6 +496,7 @@ class FakeVLLMEngine:
         return bool(self.requests)
 
     def reset_prefix_cache(self) -> bool:
+        self.prefix_resets.append(not self.requests)
         return not self.requests
 
     def step(self) -> list[Any]:
@@ -705,3 +707,61 @@ async def test_aclose_cancels_live_queries_and_shuts_the_engine_down(backend: An
         await lm.next_token_logprobs([1])
     with pytest.raises(Cancelled):
         lm.next_token_logprobs_sync([1])
+
+
+async def test_clear_cache_drops_the_prefix_cache_once_no_request_runs(backend: Any) -> None:
+    lm, engine = backend(cache_size=4)
+    engine.gate.clear()
+    task = asyncio.create_task(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0.05)
+    lm.clear_cache()  # a request runs: vLLM would refuse the reset now
+    await asyncio.sleep(0.05)
+    assert engine.prefix_resets == []
+    engine.gate.set()
+    await task
+    await asyncio.sleep(0.05)
+    assert engine.prefix_resets == [True]
+
+
+async def test_rows_finished_in_one_step_are_normalized_together(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lm, engine = backend(engine={"token_budget": 8, "max_num_seqs": 4})
+    calls: list[int] = []
+    log_softmax = torch.log_softmax
+
+    def counting(rows: torch.Tensor, dim: int) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return log_softmax(rows, dim=dim)
+
+    monkeypatch.setattr(torch, "log_softmax", counting)
+    engine.gate.clear()
+    tasks = [asyncio.create_task(lm.next_token_logprobs([t])) for t in (1, 2, 3, 4)]
+    await asyncio.sleep(0.05)
+    engine.gate.set()
+    rows = await asyncio.gather(*tasks)
+    assert calls == [4]  # one step finished all four: one log_softmax over a (4, vocab) block
+    for t, row in zip((1, 2, 3, 4), rows, strict=True):
+        torch.testing.assert_close(row, expected([t]))
+
+
+def test_every_submit_racing_a_close_is_answered_or_refused() -> None:
+    """A prompt queued while the engine thread drains for the last time is never left
+    waiting: `submit` either raises `Cancelled` or its resolver is called."""
+    for _ in range(50):
+        sink = RowSink()
+        engine = FakeVLLMEngine(sink)
+        handle = VLLMEngine(engine, sink, params, VOCAB, 64, "fake", engine.shutdown)
+        lm = AsyncVirtualLM(handle, None, **_vocab())
+        answered: list[Any] = []
+        refused = 0
+        closer = threading.Thread(target=lm.close)
+        closer.start()
+        for i in range(200):
+            try:
+                lm._driver.submit([((i % 7 + 1,), answered.append)])
+            except Cancelled:
+                refused += 1
+        closer.join(10)
+        assert not lm._driver._thread.is_alive()
+        assert len(answered) + refused == 200

@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import torch
 
 from shared.errors import Cancelled, ModelError
-from shared.lm.validation import reject_adapter
 
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import SGLANG, SGLEngine, build_sgl_engine, require
@@ -61,8 +59,7 @@ class AsyncSGLTransformer(EngineBackend):
         cache_opts: dict[str, Any] | None = None,
         **vocab: Any,
     ) -> None:
-        super().__init__(tokenizer, cache_size=cache_size, cache_opts=cache_opts, **vocab)
-        self._handle = handle
+        super().__init__(handle, tokenizer, cache_size=cache_size, cache_opts=cache_opts, **vocab)
         self.model = handle.scheduler
         # One thread drives the scheduler, selecting its GPU (a new thread's default is 0).
         self._executor = ThreadPoolExecutor(1, "lmq-sgl", _bind_device, (handle.gpu_id,))
@@ -115,21 +112,7 @@ class AsyncSGLTransformer(EngineBackend):
         return self._handle.revision
 
     # -- asynchronous queries ------------------------------------------------------------------
-    async def next_token_logprobs(
-        self, token_ids: Sequence[int], lora_name: str | None = None
-    ) -> torch.Tensor:
-        """The next-token log-probabilities after `token_ids`; concurrent calls share a batch.
-
-        Raises:
-            BadRequest: (a subclass) for an invalid prompt.
-            ModelError: if SGLang failed or returned no row.
-            Cancelled: if the queries were reset or the backend closed.
-        """
-        reject_adapter(lora_name)
-        key = self._checked(token_ids)
-        cached = self._cache_get(key)
-        if cached is not None:
-            return cached
+    async def _compute(self, key: Key) -> torch.Tensor:
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         waiters = self._pending.get(key)
         if waiters is not None:  # queued or in flight already: wait for that computation
@@ -139,9 +122,7 @@ class AsyncSGLTransformer(EngineBackend):
             self._queue.append(key)
             if self._runner is None:
                 self._runner = asyncio.create_task(self._drain())
-        result = await future
-        self._cache_put(key, result)
-        return result
+        return await future
 
     def reset_async_queries(self) -> None:
         """Fail every queued and in-flight query with `Cancelled`.
@@ -206,40 +187,16 @@ class AsyncSGLTransformer(EngineBackend):
             for future in self._pending.pop(key, []):
                 settle(future, result)
 
-    # -- synchronous queries -------------------------------------------------------------------
-    def next_token_logprobs_sync(
-        self, token_ids: Sequence[int], lora_name: str | None = None
-    ) -> torch.Tensor:
-        """The same, computed now in one scheduler drain."""
-        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Compute every prompt in one scheduler drain; identical prompts are computed once."""
-        reject_adapter(lora_name)
-        keys = [self._checked(ids) for ids in token_ids_list]
-        results: dict[Key, torch.Tensor] = {}
-        rids: dict[Key, str] = {}
-        for key in keys:
-            cached = self._cache_get(key)
-            if cached is not None:
-                results[key] = cached
-            elif key not in rids:
-                rids[key] = self._new_rid()
-        if rids:
-            requests = [self._handle.make_request(rid, key) for key, rid in rids.items()]
-            try:
-                rows = self._executor.submit(self._evaluate, requests).result()
-            except Exception as exc:
-                raise engine_error("SGLang", exc) from exc
-            for key, rid in rids.items():
-                result = rows.get(rid, ModelError("SGLang finished without a row for a prompt"))
-                if isinstance(result, BaseException):
-                    raise result
-                results[key] = result
-                self._cache_put(key, result)
-        return torch.stack([results[key] for key in keys])
+    def _compute_sync(self, keys: list[Key]) -> dict[Key, Result]:
+        """Compute distinct prompts in one scheduler drain."""
+        rids = {key: self._new_rid() for key in keys}
+        requests = [self._handle.make_request(rid, key) for key, rid in rids.items()]
+        try:
+            rows = self._executor.submit(self._evaluate, requests).result()
+        except Exception as exc:
+            raise engine_error("SGLang", exc) from exc
+        missing = ModelError("SGLang finished without a row for a prompt")
+        return {key: rows.get(rid, missing) for key, rid in rids.items()}
 
     # -- the scheduler thread ------------------------------------------------------------------
     def _evaluate(self, requests: list[Any]) -> dict[str, Result]:

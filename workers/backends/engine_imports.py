@@ -4,7 +4,7 @@ The rest of lmqueue installs and runs without them: nothing imports an engine at
 level. `import_engine` names the extra to install when a package is absent and refuses a
 version outside the pinned range, because both backends are written against that version's
 classes (vLLM 0.32's logits-processor interface and ``LLMEngine``, `vllm_engine`; SGLang
-0.5.23, `build_sgl_engine`). The builders return plain handles, so the backends themselves
+0.5.23's ``Engine``, `sgl_engine`). The builders return plain handles, so the backends themselves
 (and their tests, with fakes) never import an engine.
 """
 
@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from array import array
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -29,9 +26,6 @@ __all__ = [
     "installed_version",
     "require",
     "import_engine",
-    "SGLEngine",
-    "build_sgl_engine",
-    "SGL_DEFAULTS",
 ]
 
 
@@ -121,113 +115,3 @@ def import_engine(spec: EngineSpec, module: str) -> ModuleType:
             f"({exc}); reinstall with {spec.install_hint}",
             name=module,
         ) from exc
-
-
-# -- SGLang ------------------------------------------------------------------------------------
-#: ServerArgs defaults; `engine_opts` override them.
-SGL_DEFAULTS: dict[str, Any] = {
-    "sampling_backend": "pytorch",
-    "grammar_backend": "none",
-    "allow_auto_truncate": False,  # a long prompt must fail, not lose its head
-    "disable_overlap_schedule": True,  # the driver is event_loop_normal's, not the overlap loop
-    "mem_fraction_static": 0.9,
-}
-
-
-def _nothing() -> None:
-    """No process-wide state to release."""
-
-
-@dataclass(frozen=True)
-class SGLEngine:
-    """An in-process SGLang ``Scheduler`` and what driving it takes."""
-
-    scheduler: Any  # sglang.srt.managers.scheduler.Scheduler, or a fake with its methods
-    make_request: Callable[[str, tuple[int, ...]], Any]  # (rid, ids) -> request object
-    revision: str = "unknown"
-    gpu_id: int | None = None  # the CUDA device the driving thread must select
-    shutdown: Callable[[], None] = _nothing
-
-
-def build_sgl_engine(model: str, engine_opts: dict[str, Any] | None, gpu_id: int) -> SGLEngine:
-    """An SGLang ``Scheduler`` in this process, set up as ``run_scheduler_process`` does.
-
-    Raises:
-        MissingEngine: SGLang is absent or not a supported version.
-    """
-    server_args_mod = import_engine(SGLANG, "sglang.srt.server_args")
-    scheduler_mod = import_engine(SGLANG, "sglang.srt.managers.scheduler")
-    runtime = import_engine(SGLANG, "sglang.srt.runtime_context")
-    utils = import_engine(SGLANG, "sglang.srt.utils")
-    envs = import_engine(SGLANG, "sglang.srt.environ").envs
-    parallel = import_engine(SGLANG, "sglang.srt.distributed.parallel_state")
-
-    server_args = server_args_mod.ServerArgs(
-        **{**SGL_DEFAULTS, "model_path": model, **(engine_opts or {})}
-    )
-    port_args = server_args_mod.PortArgs.init_new(server_args)
-    runtime.publish(server_args, role="scheduler")  # Scheduler.__init__ reads it
-    sched = scheduler_mod.Scheduler(
-        server_args,
-        port_args,
-        gpu_id,
-        tp_rank=0,
-        moe_ep_rank=0,
-        pp_rank=0,
-        attn_cp_rank=0,
-        moe_dp_rank=0,
-        dp_rank=None,
-    )
-    # run_event_loop sets these before its loop; the backend's driver replaces that loop.
-    stream = sched.device_module.Stream(priority=0)
-    for _ in range(64):  # a schedule stream aliasing the forward stream loses overlap
-        if getattr(stream, "cuda_stream", None) != getattr(sched.forward_stream, "cuda_stream", 0):
-            break
-        stream = sched.device_module.Stream(priority=0)
-    sched.schedule_stream = stream
-    sched._war_barrier_enabled = utils.is_cuda() or envs.SGLANG_ENABLE_WAR_BARRIER.get()
-    # Outputs normally go to a detokenizer process over ZMQ; none runs here, and the PUSH
-    # sockets (SNDHWM 0: unbounded) would queue every result forever. Closed and dropped,
-    # SenderWrapper sends nothing.
-    for sender in (sched.ipc_channels.send_to_detokenizer, sched.ipc_channels.send_to_tokenizer):
-        if sender.socket is not None:
-            sender.socket.close(linger=0)
-            sender.socket = None
-
-    def shutdown() -> None:
-        parallel.destroy_model_parallel()
-        parallel.destroy_distributed_environment()
-
-    return SGLEngine(
-        scheduler=sched,
-        make_request=_sgl_request_factory(),
-        revision=f"sglang-{sched.model_config.dtype}".replace("torch.", ""),
-        gpu_id=gpu_id,
-        shutdown=shutdown,
-    )
-
-
-def _sgl_request_factory() -> Callable[[str, tuple[int, ...]], Any]:
-    """SGLang's request for a prefill-only prompt, as its tokenizer manager would build it."""
-    io_struct = import_engine(SGLANG, "sglang.srt.managers.io_struct")
-    sampling = import_engine(SGLANG, "sglang.srt.sampling.sampling_params")
-
-    def make(rid: str, ids: tuple[int, ...]) -> Any:
-        params = sampling.SamplingParams(max_new_tokens=0)  # prefill only: nothing sampled
-        params.normalize(None)  # no stop strings to encode
-        return io_struct.TokenizedGenerateReqInput(
-            input_text="",
-            input_ids=array("q", ids),  # the scheduler appends to it as an int64 array
-            input_embeds=None,
-            mm_inputs=None,
-            token_type_ids=None,
-            sampling_params=params,
-            return_logprob=False,
-            logprob_start_len=-1,
-            top_logprobs_num=0,
-            token_ids_logprob=None,
-            stream=False,
-            rid=rid,
-        )
-
-    return make

@@ -19,8 +19,8 @@ import argparse
 import asyncio
 import sys
 
-from shared.failures import report_failure
-from shared.settings import ClientSettings
+from lmqueue.shared.failures import report_failure
+from lmqueue.shared.settings import ClientSettings
 
 __all__ = ["main", "build_parser"]
 
@@ -28,7 +28,7 @@ _VERBOSE = "--verbose"
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     settings = ClientSettings.resolve(redis_url=args.redis_url)
 
@@ -46,8 +46,8 @@ def _submit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `lmq` parser with one subparser per command."""
-    from scheduler.main import add_arguments as scheduler_arguments
-    from workers.main import build_parser as worker_parser
+    from lmqueue.scheduler.main import add_arguments as scheduler_arguments
+    from lmqueue.workers.main import build_parser as worker_parser
 
     from . import demo, experiments_cli, status, tenants
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0] if argv else ""
     try:
         if command == "worker":
-            from workers.main import main as worker_main
+            from lmqueue.workers.main import main as worker_main
 
             return worker_main(argv[1:], verbose=verbose)
         if command == "bench":
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return status.run(args)
         if args.command == "scheduler":
-            from scheduler.main import run as run_scheduler
+            from lmqueue.scheduler.main import run as run_scheduler
 
             return run_scheduler(args)
         if args.command == "experiment":

@@ -16,9 +16,9 @@ import logging
 import time
 from collections.abc import Iterator
 
-from producer import QueueLM
-from shared.errors import ModelError, UnknownModel
-from shared.settings import configured_redis_url
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import ModelError, UnknownModel
+from lmqueue.shared.settings import configured_redis_url
 
 from .local_redis import LocalRedis
 from .smc import SMCResult, lipogram_mask, run_smc

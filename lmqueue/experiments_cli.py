@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shared.errors import BadRequest, SettingsError
+from lmqueue.shared.errors import BadRequest, SettingsError
 
 __all__ = ["add_arguments", "run", "parse_duration_s", "parse_time_s"]
 
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from producer.experiments import Experiments
+    from lmqueue.producer.experiments import Experiments
 
     async with Experiments.connect(args.redis_url, tenant=args.tenant) as experiments:
         if args.verb == "submit":

@@ -22,12 +22,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from shared.keys import WORKER_GROUP, KeySpace
-from shared.partitions import stream_partitions
-from shared.redis_errors import redis_boundary
-from shared.registry import ModelInfo
-from shared.settings import RedisSettings
-from shared.worker_stats import read_worker_stats
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.partitions import stream_partitions
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import RedisSettings
+from lmqueue.shared.worker_stats import read_worker_stats
 
 __all__ = ["add_arguments", "run", "collect_status", "render_text"]
 

@@ -33,8 +33,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
-from shared.keys import KeySpace
-from workers.health import HealthServer, HealthState
+from lmqueue.shared.keys import KeySpace
+from lmqueue.workers.health import HealthServer, HealthState
 
 from .status import collect_status
 

@@ -20,11 +20,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from shared.admission_script import ADMISSION_LUA
-from shared.errors import SettingsError
-from shared.keys import KeySpace
-from shared.registry import ModelInfo
-from shared.tenants import (
+from lmqueue.shared.admission_script import ADMISSION_LUA
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.tenants import (
     WORKER_USER,
     TenantConfig,
     password_hash,

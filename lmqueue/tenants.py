@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shared.connections import sync_redis
-from shared.redis_errors import redis_boundary
-from shared.settings import DEFAULT_REDIS_URL, configured_redis_url
-from shared.tenants import WORKER_USER, TenantConfig
+from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.settings import DEFAULT_REDIS_URL, configured_redis_url
+from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 
 from .tenant_admin import TenantAdmin
 

@@ -16,7 +16,7 @@ __all__ = ["WorkerProcess"]
 
 
 class WorkerProcess:
-    """``python -m workers`` with the given settings; its log goes to a file.
+    """``python -m lmqueue.workers`` with the given settings; its log goes to a file.
 
     Args:
         model, backend, redis_url, name: the worker's settings.
@@ -39,7 +39,7 @@ class WorkerProcess:
         self.args = [
             sys.executable,
             "-m",
-            "workers",
+            "lmqueue.workers",
             "--model",
             model,
             "--backend",

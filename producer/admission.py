@@ -17,8 +17,8 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError
 
-from shared.admission_script import ADMISSION_LUA, ADMISSION_SHA
-from shared.errors import Busy, QuotaExceeded, Unavailable
+from lmqueue.shared.admission_script import ADMISSION_LUA, ADMISSION_SHA
+from lmqueue.shared.errors import Busy, QuotaExceeded, Unavailable
 
 __all__ = ["Admission"]
 

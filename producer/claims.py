@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shared.connections import bounded, multi_get
-from shared.wire import Reply, holds_vector
+from lmqueue.shared.connections import bounded, multi_get
+from lmqueue.shared.wire import Reply, holds_vector
 
 from .resp_pipe import RespPipe
 

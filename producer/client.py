@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.connections import connect_async_redis
-from shared.errors import UnknownModel
-from shared.lm.interface import AsyncLM
-from shared.lm.output_cache import OutputCache
-from shared.lm.tokens import Token
-from shared.lm.validation import check_prompt, reject_adapter
-from shared.lm.vocab import str_vocab_of
-from shared.redis_errors import REDIS_DOWN, redis_boundary
-from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
-from shared.settings import ClientSettings
-from shared.tenants import read_cache_namespace
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.errors import UnknownModel
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.output_cache import OutputCache
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.shared.lm.validation import check_prompt, reject_adapter
+from lmqueue.shared.lm.vocab import str_vocab_of
+from lmqueue.shared.redis_errors import REDIS_DOWN, redis_boundary
+from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
+from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.tenants import read_cache_namespace
 
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel

@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from shared.connections import async_redis, connect_async_redis
-from shared.errors import BadRequest, InvalidName, UnknownExperiment
-from shared.keys import KeySpace
-from shared.redis_errors import redis_boundary
-from shared.settings import RedisSettings
+from lmqueue.shared.connections import async_redis, connect_async_redis
+from lmqueue.shared.errors import BadRequest, InvalidName, UnknownExperiment
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.settings import RedisSettings
 
 __all__ = [
     "Experiments",

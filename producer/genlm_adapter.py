@@ -21,7 +21,7 @@ try:
     from genlm.backend.tokenization import Token as _GenlmToken
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "producer.genlm_adapter needs genlm-backend: pip install 'lmqueue[genlm]'"
+        "lmqueue.producer.genlm_adapter needs genlm-backend: pip install 'lmqueue[genlm]'"
     ) from exc
 
 

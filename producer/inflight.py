@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.errors import Cancelled, DeadlineExceeded, LMQueueError
-from shared.wire import Reply, Request
+from lmqueue.shared.errors import Cancelled, DeadlineExceeded, LMQueueError
+from lmqueue.shared.wire import Reply, Request
 
 __all__ = ["Pending", "InflightTable"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from shared.lm.trie import TokenCharacterTrie
-from shared.lm.trie.inputs import as_node_ids
-from shared.lm.validation import check_prompt
-from shared.lm.vocab import vocab_digest
-from shared.wire import ids_to_bytes
+from lmqueue.shared.lm.trie import TokenCharacterTrie
+from lmqueue.shared.lm.trie.inputs import as_node_ids
+from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.lm.vocab import vocab_digest
+from lmqueue.shared.wire import ids_to_bytes
 
 from .client import QueueLM
 

@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shared.connections import bounded, is_cluster
-from shared.errors import MalformedMessage, Unavailable
-from shared.redis_errors import REDIS_DOWN
-from shared.wire import Reply, decode_reply
+from lmqueue.shared.connections import bounded, is_cluster
+from lmqueue.shared.errors import MalformedMessage, Unavailable
+from lmqueue.shared.redis_errors import REDIS_DOWN
+from lmqueue.shared.wire import Reply, decode_reply
 
 from .claims import ClaimResolver
 from .inflight import InflightTable

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from shared.connections import bounded, is_cluster
-from shared.errors import Cancelled, DeadlineExceeded
-from shared.partitions import Partitioning, stream_partitions
-from shared.registry import ModelInfo
-from shared.settings import ClientSettings
-from shared.shared_cache import SharedCache
-from shared.wire import Request
+from lmqueue.shared.connections import bounded, is_cluster
+from lmqueue.shared.errors import Cancelled, DeadlineExceeded
+from lmqueue.shared.partitions import Partitioning, stream_partitions
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import Request
 
 from .admission import Admission
 from .claims import ClaimResolver

@@ -25,7 +25,7 @@ from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from shared.connections import bounded, tune_socket
+from lmqueue.shared.connections import bounded, tune_socket
 
 __all__ = ["RespPipe"]
 

@@ -22,12 +22,12 @@ from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
 
-from shared.connections import bounded
-from shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
-from shared.partitions import Partitioning
-from shared.redis_errors import REDIS_DOWN, translate
-from shared.shared_cache import SharedCache
-from shared.wire import Reply, encode_request
+from lmqueue.shared.connections import bounded
+from lmqueue.shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
+from lmqueue.shared.partitions import Partitioning
+from lmqueue.shared.redis_errors import REDIS_DOWN, translate
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import Reply, encode_request
 
 from .admission import Admission
 from .inflight import InflightTable, Pending

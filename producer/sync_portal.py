@@ -16,8 +16,8 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.errors import Cancelled
-from shared.settings import ClientSettings
+from lmqueue.shared.errors import Cancelled
+from lmqueue.shared.settings import ClientSettings
 
 if TYPE_CHECKING:
     import torch

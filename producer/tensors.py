@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared.wire import cast_in_chunks
+from lmqueue.shared.wire import cast_in_chunks
 
 if TYPE_CHECKING:
     import torch

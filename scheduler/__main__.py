@@ -1,4 +1,4 @@
-"""``python -m scheduler``: one scheduler process."""
+"""``python -m lmqueue.scheduler``: one scheduler process."""
 
 import sys
 

@@ -10,8 +10,8 @@ the control instance.
 
 from __future__ import annotations
 
-from shared.keys import KeySpace
-from shared.tenants import EXPERIMENT_COMMANDS as _GRANTED
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.tenants import EXPERIMENT_COMMANDS as _GRANTED
 
 __all__ = ["experiment_acl_rules", "EXPERIMENT_COMMANDS"]
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shared.keys import KeySpace
+from lmqueue.shared.keys import KeySpace
 
 __all__ = ["ExperimentContext", "LostOwnership"]
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from producer.experiments import ExperimentStatus, validate_experiment_id
-from shared.connections import slot_groups
-from shared.errors import InvalidName
-from shared.redis_errors import REDIS_TROUBLE
+from lmqueue.producer.experiments import ExperimentStatus, validate_experiment_id
+from lmqueue.shared.connections import slot_groups
+from lmqueue.shared.errors import InvalidName
+from lmqueue.shared.redis_errors import REDIS_TROUBLE
 
 from .settings import SchedulerSettings
 

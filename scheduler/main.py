@@ -1,4 +1,4 @@
-"""``lmq scheduler`` (also ``python -m scheduler``): run one scheduler process.
+"""``lmq scheduler`` (also ``python -m lmqueue.scheduler``): run one scheduler process.
 
     lmq scheduler --redis-url redis://127.0.0.1:6379/0 [--control-url URL] [--config FILE]
                   [--max-jobs N] [--max-running-per-tenant N] [--kind NAME=module:function]
@@ -16,9 +16,9 @@ import asyncio
 import logging
 import sys
 
-from shared.errors import SettingsError
-from shared.failures import report_failure
-from shared.settings import configured_control_url, configured_redis_url
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.failures import report_failure
+from lmqueue.shared.settings import configured_control_url, configured_redis_url
 
 from .settings import SchedulerSettings
 from .worker import serve
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m scheduler``."""
+    """``python -m lmqueue.scheduler``."""
     parser = argparse.ArgumentParser(prog="lmq scheduler", description=__doc__)
     add_arguments(parser)
     parser.add_argument("--verbose", action="store_true")

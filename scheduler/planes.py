@@ -23,8 +23,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from arq.connections import RedisSettings as ArqRedisSettings
 
-from shared.connections import connect_async_redis, is_cluster
-from shared.errors import SettingsError
+from lmqueue.shared.connections import connect_async_redis, is_cluster
+from lmqueue.shared.errors import SettingsError
 
 from .settings import SchedulerSettings
 

@@ -26,11 +26,11 @@ from typing import Any
 
 from arq import Retry
 
-from producer import QueueLM
-from producer.experiments import ExperimentStatus
-from shared.keys import arq_in_progress
-from shared.redis_errors import REDIS_TROUBLE
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.producer.experiments import ExperimentStatus
+from lmqueue.shared.keys import arq_in_progress
+from lmqueue.shared.redis_errors import REDIS_TROUBLE
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .context import ExperimentContext, LostOwnership
 from .kinds import Kind

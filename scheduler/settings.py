@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shared.errors import InvalidName, SettingsError
-from shared.keys import KeySpace, validate_name
-from shared.settings import DEFAULT_REDIS_URL
+from lmqueue.shared.errors import InvalidName, SettingsError
+from lmqueue.shared.keys import KeySpace, validate_name
+from lmqueue.shared.settings import DEFAULT_REDIS_URL
 
 __all__ = ["SchedulerSettings", "CronEntry"]
 

@@ -19,7 +19,7 @@ from arq import Worker, cron
 from arq.cron import CronJob
 from arq.worker import func
 
-from producer.experiments import Experiments
+from lmqueue.producer.experiments import Experiments
 
 from .dispatcher import JOB_FUNCTION, Dispatcher
 from .kinds import resolve_kinds

@@ -1,6 +1,6 @@
 """How a command-line program reports a failure: one line naming the error and what to do.
 
-Used by every ``lmq`` command and by ``python -m workers``. The traceback is for developers
+Used by every ``lmq`` command and by ``python -m lmqueue.workers``. The traceback is for developers
 and shows only with ``--verbose``; the line says which error it was, its message, and the
 likeliest remedy, and the exit code says whether the command line names something that
 cannot work (2: a bad setting or input, a model nobody serves) or something failed (1).

@@ -79,7 +79,7 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 @pytest.fixture(scope="session")
 def smol_tokenizer() -> Any:
     """The real SmolLM2 tokenizer (49,152 tokens, byte-level BPE)."""
-    from workers.models import load_tokenizer
+    from lmqueue.workers.models import load_tokenizer
 
     return load_tokenizer(SMOL)
 

@@ -1,4 +1,4 @@
-"""`SchedulerProcess`: ``python -m scheduler`` as a real child process, for the scheduler tests."""
+"""`SchedulerProcess`: ``python -m lmqueue.scheduler`` as a real child process, for the scheduler tests."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ TESTS = Path(__file__).resolve().parent
 
 
 class SchedulerProcess:
-    """``python -m scheduler`` as a child process, its log in a file."""
+    """``python -m lmqueue.scheduler`` as a child process, its log in a file."""
 
     def __init__(self, url: str, name: str, config: Path, log_dir: Path) -> None:
         self.name = name
-        self.args = [sys.executable, "-m", "scheduler", "--redis-url", url, "--name", name]
+        self.args = [sys.executable, "-m", "lmqueue.scheduler", "--redis-url", url, "--name", name]
         self.args += ["--config", str(config)]
         self.log_path = log_dir / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None

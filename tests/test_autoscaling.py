@@ -35,9 +35,9 @@ from redis.exceptions import ResponseError
 
 from lmqueue.status import collect_status
 from lmqueue.worker_processes import WorkerProcess
-from producer.admission import Admission
-from shared.keys import WORKER_GROUP, KeySpace
-from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.producer.admission import Admission
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
 
 MODEL = "smollm2-135m"
 KEYS = KeySpace()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import SettingsError
-from shared.settings import WorkerSettings
-from workers.backend_loader import backend_class, backend_options, load_backend
-from workers.backends.hf import AsyncTransformer
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.settings import WorkerSettings
+from lmqueue.workers.backend_loader import backend_class, backend_options, load_backend
+from lmqueue.workers.backends.hf import AsyncTransformer
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("mock", "hf", "vllm", "sgl")

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from lmqueue.local_redis import LocalRedis
-from producer import QueueLM
-from producer.claims import ClaimResolver
-from shared.connections import async_redis
-from shared.errors import MalformedMessage
-from shared.keys import KeySpace
-from shared.settings import RedisSettings, WorkerSettings
-from shared.shared_cache import SharedCache
-from shared.wire import (
+from lmqueue.producer import QueueLM
+from lmqueue.producer.claims import ClaimResolver
+from lmqueue.shared.connections import async_redis
+from lmqueue.shared.errors import MalformedMessage
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import (
     Reply,
     Request,
     decode_reply,
@@ -33,8 +33,8 @@ from shared.wire import (
     encode_request,
     ids_to_bytes,
 )
-from workers.backends.mock import MockAsyncLM
-from workers.worker import Worker
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.worker import Worker
 
 KEYS = KeySpace()
 PROMPTS = [[5, 6, n] for n in range(40)]

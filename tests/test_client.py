@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from producer import QueueLM
-from shared.errors import (
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import (
     BadRequest,
     Busy,
     Cancelled,
@@ -20,7 +20,7 @@ from shared.errors import (
     TokenOutOfVocabulary,
     UnknownModel,
 )
-from workers.backends.mock import MockAsyncLM
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 

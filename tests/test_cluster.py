@@ -21,16 +21,16 @@ from redis.exceptions import (
 )
 
 from lmqueue.worker_processes import WorkerProcess
-from producer import QueueLM
-from producer.resp_pipe import RespPipe
-from producer.slot_pipe import SlotPipe
-from shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
-from shared.errors import Unavailable
-from shared.keys import WORKER_GROUP, KeySpace
-from shared.redis_errors import REDIS_DOWN, translate
-from shared.registry import ModelInfo, ModelRegistry
-from shared.settings import ClientSettings, RedisSettings
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.producer.resp_pipe import RespPipe
+from lmqueue.producer.slot_pipe import SlotPipe
+from lmqueue.shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
+from lmqueue.shared.errors import Unavailable
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.redis_errors import REDIS_DOWN, translate
+from lmqueue.shared.registry import ModelInfo, ModelRegistry
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 KEYS = KeySpace()

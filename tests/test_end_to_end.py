@@ -13,9 +13,9 @@ import torch
 
 from lmqueue.local_redis import LocalRedis
 from lmqueue.worker_processes import WorkerProcess
-from producer import QueueLM
-from shared.errors import EmptyPrompt, TokenOutOfVocabulary, UnknownModel
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import EmptyPrompt, TokenOutOfVocabulary, UnknownModel
+from lmqueue.workers.backends.mock import MockAsyncLM
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ async def test_hf_worker_processes_match_the_in_process_backend(
     """Two real HF workers on a tiny Llama: results through the queue equal a local forward."""
     from transformers import AutoModelForCausalLM
 
-    from workers.backends.hf import AsyncTransformer
-    from workers.models import load_tokenizer
+    from lmqueue.workers.backends.hf import AsyncTransformer
+    from lmqueue.workers.models import load_tokenizer
 
     name = str(tiny_model_dir)
     workers = [

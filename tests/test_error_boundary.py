@@ -10,8 +10,8 @@ from redis.exceptions import BusyLoadingError, NoPermissionError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import QueueLM
-from shared.errors import (
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import (
     BadRequest,
     Busy,
     Forbidden,
@@ -23,9 +23,9 @@ from shared.errors import (
     from_wire,
     to_wire,
 )
-from shared.keys import KeySpace
-from shared.redis_errors import redis_boundary, translate
-from shared.settings import RedisSettings
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import redis_boundary, translate
+from lmqueue.shared.settings import RedisSettings
 
 
 @pytest.mark.parametrize(
@@ -107,8 +107,8 @@ async def test_a_cluster_pipeline_caught_mid_reinitialization_fails_as_a_connect
     """redis-py 5.3's cluster race (see `execute_pipeline`) becomes what the writer retries."""
     import redis.asyncio.cluster as aiocluster
 
-    from shared.connections import execute_pipeline
-    from shared.redis_errors import REDIS_DOWN
+    from lmqueue.shared.connections import execute_pipeline
+    from lmqueue.shared.redis_errors import REDIS_DOWN
 
     class Racing(aiocluster.ClusterPipeline):
         def __init__(self) -> None:  # no client: only `execute` matters here

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.fair_share import FairShare
+from lmqueue.workers.fair_share import FairShare
 
 
 def _serve(share: FairShare[int], batches: int, batch_size: int = 8) -> dict[str, float]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from producer import QueueLM
-from workers.backends.hf import AsyncTransformer
+from lmqueue.producer import QueueLM
+from lmqueue.workers.backends.hf import AsyncTransformer
 from workers_in_threads import ThreadedWorker
 
 genlm_llm = pytest.importorskip("genlm.backend.llm", reason="needs genlm-backend (dev extra)")
@@ -25,7 +25,7 @@ genlm_past_key_values = pytest.mark.filterwarnings(
     "ignore:`past_key_values` is deprecated:FutureWarning"
 )
 
-from producer.genlm_adapter import as_genlm  # noqa: E402
+from lmqueue.producer.genlm_adapter import as_genlm  # noqa: E402
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.backends.engine_imports import SGLANG, VLLM, EngineSpec, installed_version
+from lmqueue.workers.backends.engine_imports import SGLANG, VLLM, EngineSpec, installed_version
 
 SMOL = "smollm2-135m"
 VOCAB = 49_152
@@ -44,7 +44,7 @@ pytestmark = [
 def smol_dir() -> Path:
     """SmolLM2-135M as a HuggingFace model directory (what both engines load, and what
     ``from_name("smollm2-135m")`` hands them)."""
-    from workers.models import hf_directory
+    from lmqueue.workers.models import hf_directory
 
     return Path(hf_directory(SMOL))
 
@@ -86,7 +86,7 @@ def assert_close_to(row: torch.Tensor, ref: torch.Tensor) -> None:
 class TestVLLM:
     @pytest.fixture(scope="class")
     def lm(self, smol_dir: Path) -> Any:
-        from workers.backends import AsyncVirtualLM
+        from lmqueue.workers.backends import AsyncVirtualLM
 
         opts = {
             "dtype": "bfloat16",
@@ -134,7 +134,7 @@ class TestVLLM:
 class TestSGLang:
     @pytest.fixture(scope="class")
     def lm(self, smol_dir: Path) -> Any:
-        from workers.backends import AsyncSGLTransformer
+        from lmqueue.workers.backends import AsyncSGLTransformer
 
         opts = {
             "dtype": "bfloat16",

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from producer.tensors import to_float32_tensor
-from shared.wire import bytes_to_vector, vector_payload, vector_to_bytes
+from lmqueue.producer.tensors import to_float32_tensor
+from lmqueue.shared.wire import bytes_to_vector, vector_payload, vector_to_bytes
 
 
 def _awkward_float32s() -> np.ndarray:

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from workers.health import HealthServer, HealthState
-from workers.metrics import WorkerMetrics
+from lmqueue.workers.health import HealthServer, HealthState
+from lmqueue.workers.metrics import WorkerMetrics
 
 
 class Clock:

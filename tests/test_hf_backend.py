@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from shared.errors import (
+from lmqueue.shared.errors import (
     BadRequest,
     Cancelled,
     EmptyPrompt,
@@ -21,9 +21,9 @@ from shared.errors import (
     PromptTooLong,
     TokenOutOfVocabulary,
 )
-from shared.lm.vocab import decode_vocab
-from workers.backends import AsyncTransformer
-from workers.backends.padded_batch import Row, _attention_mask, _inputs, kv_argument
+from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.workers.backends import AsyncTransformer
+from lmqueue.workers.backends.padded_batch import Row, _attention_mask, _inputs, kv_argument
 
 TOLERANCE = 1e-4
 
@@ -433,7 +433,7 @@ def test_from_name_loads_the_model_and_names_its_revision(
 async def test_smollm2_batches_reusing_kv_match_its_uncached_forward(
     smol_tokenizer: Any, vocab: dict[str, Any]
 ) -> None:
-    from workers.models import load_causal_lm
+    from lmqueue.workers.models import load_causal_lm
 
     lm = AsyncTransformer(load_causal_lm("smollm2-135m"), smol_tokenizer, timeout=0.005, **vocab)
     try:

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from producer.inflight import InflightTable
-from shared.errors import DeadlineExceeded
-from shared.wire import Reply, Request
+from lmqueue.producer.inflight import InflightTable
+from lmqueue.shared.errors import DeadlineExceeded
+from lmqueue.shared.wire import Reply, Request
 
 
 def _add(table: InflightTable, n: int, timeout_s: float):

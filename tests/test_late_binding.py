@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from lmqueue.tenant_admin import TenantAdmin
-from shared.keys import KeySpace
-from shared.tenants import TenantConfig
-from shared.wire import Request, encode_request
-from workers.backends.mock import MockAsyncLM
-from workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request, encode_request
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"

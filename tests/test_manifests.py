@@ -26,8 +26,8 @@ import yaml
 from prometheus_client import generate_latest
 
 from lmqueue.status_metrics import StatusCollector
-from shared.keys import KeySpace
-from workers.metrics import WorkerMetrics
+from lmqueue.shared.keys import KeySpace
+from lmqueue.workers.metrics import WorkerMetrics
 
 OPS = Path(__file__).resolve().parent.parent / "ops"
 OVERLAYS = sorted(p.name for p in (OPS / "k8s" / "overlays").iterdir())
@@ -378,7 +378,7 @@ def test_a_broken_compose_file_fails_the_specification() -> None:
 def test_the_scheduler_runs_the_configuration_its_secret_holds(
     overlay: str, tmp_path: Path
 ) -> None:
-    from scheduler.settings import SchedulerSettings
+    from lmqueue.scheduler.settings import SchedulerSettings
 
     objects = {(o["kind"], o["metadata"]["name"]): o for o in rendered(overlay)}
     deployment = next(o for (k, n), o in objects.items() if k == "Deployment" and "scheduler" in n)

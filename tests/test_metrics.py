@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.lm.vocab import decode_vocab
-from workers.backends.hf import AsyncTransformer
-from workers.metrics import WorkerMetrics, entry_enqueued_s
+from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.workers.backends.hf import AsyncTransformer
+from lmqueue.workers.metrics import WorkerMetrics, entry_enqueued_s
 
 
 def scrape(metrics: WorkerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -10,7 +10,7 @@ import redis
 
 from lmqueue.local_redis import LocalRedis
 from lmqueue.tenant_admin import TenantAdmin
-from shared.tenants import TenantConfig
+from lmqueue.shared.tenants import TenantConfig
 
 OPS = Path(__file__).resolve().parent.parent / "ops" / "redis"
 

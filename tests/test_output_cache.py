@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.lm.output_cache import OutputCache
+from lmqueue.shared.lm.output_cache import OutputCache
 
 
 def test_the_least_recently_used_entry_is_evicted_first():

@@ -14,21 +14,21 @@ import pytest
 import torch
 
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.connections import connect_async_redis, sync_redis
-from shared.errors import SettingsError
-from shared.keys import KeySpace
-from shared.partitions import (
+from lmqueue.producer import QueueLM
+from lmqueue.shared.connections import connect_async_redis, sync_redis
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.partitions import (
     LineageMemory,
     Partitioning,
     assign_partitions,
     block_partition,
     owned_partitions,
 )
-from shared.settings import ClientSettings, RedisSettings, WorkerSettings
-from shared.tenants import TenantConfig
-from workers.backends.mock import MockAsyncLM
-from workers.worker import Worker
+from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.worker import Worker
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from workers.backends.prefix_cache import PrefixCache
+from lmqueue.workers.backends.prefix_cache import PrefixCache
 
 
 def fake_kv(tokens: list[int], start: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shared.errors import (
+from lmqueue.shared.errors import (
     BadRequest,
     DeadlineExceeded,
     EmptyPrompt,
@@ -18,10 +18,10 @@ from shared.errors import (
     PromptTooLong,
     TokenOutOfVocabulary,
 )
-from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
-from workers.backends.mock import MockAsyncLM
-from workers.processor import BatchProcessor
-from workers.request_stream import Entry
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.processor import BatchProcessor
+from lmqueue.workers.request_stream import Entry
 
 POISON = 666
 

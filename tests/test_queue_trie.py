@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from producer import QueueLM, QueueTrie
-from shared.errors import BadRequest, UnknownNode, VocabularyMismatch
-from shared.lm.trie import ParallelTokenCharacterTrie
-from shared.wire import ids_to_bytes
-from workers.backends.mock import MockAsyncLM
-from workers.masses import TrieMasses
+from lmqueue.producer import QueueLM, QueueTrie
+from lmqueue.shared.errors import BadRequest, UnknownNode, VocabularyMismatch
+from lmqueue.shared.lm.trie import ParallelTokenCharacterTrie
+from lmqueue.shared.wire import ids_to_bytes
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.masses import TrieMasses
 from workers_in_threads import ThreadedWorker
 
 

@@ -10,13 +10,13 @@ import redis
 import redis.asyncio as aioredis
 
 from lmqueue.tenant_admin import TenantAdmin
-from producer.admission import Admission
-from producer.inflight import InflightTable
-from producer.submitter import Submitter
-from shared.errors import Busy, QuotaExceeded, Unavailable, from_wire, to_wire
-from shared.keys import KeySpace
-from shared.tenants import TenantConfig
-from shared.wire import Request
+from lmqueue.producer.admission import Admission
+from lmqueue.producer.inflight import InflightTable
+from lmqueue.producer.submitter import Submitter
+from lmqueue.shared.errors import Busy, QuotaExceeded, Unavailable, from_wire, to_wire
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request
 
 MODEL = "mock"
 KEYS = KeySpace(tenant="alice")

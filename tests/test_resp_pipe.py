@@ -11,7 +11,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from producer.resp_pipe import BIG_BULK_BYTES, RespPipe, _Protocol
+from lmqueue.producer.resp_pipe import BIG_BULK_BYTES, RespPipe, _Protocol
 
 BIG = np.random.default_rng(0).bytes(3 * BIG_BULK_BYTES + 5)
 

@@ -19,15 +19,15 @@ from lmqueue.local_redis import LocalRedis
 from lmqueue.smc import lipogram_mask, run_smc
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.worker_processes import WorkerProcess
-from producer import Experiments
-from scheduler.kinds.regex_constraint import RegexConstraint
-from scheduler.kinds.sample import draw_samples
+from lmqueue.producer import Experiments
+from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
+from lmqueue.scheduler.kinds.sample import draw_samples
 from scheduler_processes import SchedulerProcess
-from shared.errors import Forbidden, UnknownExperiment
-from shared.keys import KeySpace
-from shared.lm.trie import TokenCharacterTrie
-from shared.tenants import TenantConfig
-from workers.backends.mock import MockAsyncLM
+from lmqueue.shared.errors import Forbidden, UnknownExperiment
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.lm.trie import TokenCharacterTrie
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"
 KINDS = ("exp_kinds:count", "exp_kinds:slow_model", "exp_kinds:echo")
@@ -432,7 +432,7 @@ def test_lmq_experiment_commands_submit_follow_and_collect(url, schedulers, tmp_
 @pytest.mark.slow
 async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_path):
     """The real SmolLM2-135M: scores through the queue equal a direct forward pass (1e-4)."""
-    from workers.models import load_causal_lm, load_tokenizer
+    from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     rows = [
         {"context": "The capital of France is", "continuation": " Paris."},

@@ -22,13 +22,13 @@ from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.worker_processes import WorkerProcess
-from producer import Experiments
-from scheduler.main import main as scheduler_main
+from lmqueue.producer import Experiments
+from lmqueue.scheduler.main import main as scheduler_main
 from scheduler_processes import SchedulerProcess
-from shared.connections import sync_redis
-from shared.keys import KeySpace
-from shared.tenants import TenantConfig
-from workers.backends.mock import MockAsyncLM
+from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.workers.backends.mock import MockAsyncLM
 
 pytestmark = pytest.mark.cluster
 

@@ -15,23 +15,23 @@ from arq.constants import in_progress_key_prefix
 from redis.crc import key_slot
 
 from lmqueue.experiments_cli import build_params, parse_duration_s, parse_time_s
-from producer.experiments import ExperimentStatus, tenant_of_url, validate_experiment_id
-from scheduler.acl import experiment_acl_rules
-from scheduler.kinds import resolve_kinds
-from scheduler.kinds.regex_constraint import RegexConstraint
-from scheduler.planes import arq_settings
-from scheduler.serialization import pack, unpack
-from scheduler.settings import SchedulerSettings
-from shared.connections import slot_groups
-from shared.errors import InvalidName, SettingsError
-from shared.keys import KeySpace, arq_in_progress
-from shared.lm.trie import TokenCharacterTrie
-from shared.settings import configured_control_url
+from lmqueue.producer.experiments import ExperimentStatus, tenant_of_url, validate_experiment_id
+from lmqueue.scheduler.acl import experiment_acl_rules
+from lmqueue.scheduler.kinds import resolve_kinds
+from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
+from lmqueue.scheduler.planes import arq_settings
+from lmqueue.scheduler.serialization import pack, unpack
+from lmqueue.scheduler.settings import SchedulerSettings
+from lmqueue.shared.connections import slot_groups
+from lmqueue.shared.errors import InvalidName, SettingsError
+from lmqueue.shared.keys import KeySpace, arq_in_progress
+from lmqueue.shared.lm.trie import TokenCharacterTrie
+from lmqueue.shared.settings import configured_control_url
 
 
 @pytest.fixture(scope="module")
 def smol_trie(smol_tokenizer):
-    from workers.backends.mock import MockAsyncLM
+    from lmqueue.workers.backends.mock import MockAsyncLM
 
     vocab = [bytes(t) for t in MockAsyncLM(smol_tokenizer).byte_vocab]
     return vocab, TokenCharacterTrie(vocab)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.settings import ClientSettings, RedisSettings, SettingsError, WorkerSettings
+from lmqueue.shared.settings import ClientSettings, RedisSettings, SettingsError, WorkerSettings
 
 
 def test_worker_settings_come_from_lmq_variables():

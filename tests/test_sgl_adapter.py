@@ -24,19 +24,19 @@ from typing import Any
 import pytest
 import torch
 
-from shared.errors import BadRequest, Cancelled, EmptyPrompt, ModelError, PromptTooLong
-from shared.lm.tokens import Token
-from workers.backends import engine_imports
-from workers.backends.engine_imports import SGLANG, MissingEngine, import_engine
-from workers.backends.sgl import AsyncSGLTransformer
-from workers.backends.sgl_capture import (
+from lmqueue.shared.errors import BadRequest, Cancelled, EmptyPrompt, ModelError, PromptTooLong
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.workers.backends import engine_imports
+from lmqueue.workers.backends.engine_imports import SGLANG, MissingEngine, import_engine
+from lmqueue.workers.backends.sgl import AsyncSGLTransformer
+from lmqueue.workers.backends.sgl_capture import (
     SEQ_KEY,
     SHM_KEY,
     SLOT_KEY,
     RowSlots,
     capture_processor_class,
 )
-from workers.backends.sgl_engine import SGL_DEFAULTS, SGLEngine
+from lmqueue.workers.backends.sgl_engine import SGL_DEFAULTS, SGLEngine
 
 VOCAB = 24
 

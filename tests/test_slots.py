@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from producer.slots import Slots
+from lmqueue.producer.slots import Slots
 
 
 async def test_waiters_get_slots_in_arrival_order():

@@ -18,14 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmqueue import status as status_command
 from lmqueue.local_redis import LocalRedis
-from producer.admission import Admission
-from shared.keys import KeySpace
-from shared.settings import RedisSettings, WorkerSettings
-from shared.wire import Request, encode_request, ids_to_bytes
-from shared.worker_stats import WorkerStats, read_worker_stats, write_worker_stats
-from workers.backends.mock import MockAsyncLM
-from workers.request_stream import RequestStream
-from workers.worker import Worker
+from lmqueue.producer.admission import Admission
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.wire import Request, encode_request, ids_to_bytes
+from lmqueue.shared.worker_stats import WorkerStats, read_worker_stats, write_worker_stats
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.request_stream import RequestStream
+from lmqueue.workers.worker import Worker
 
 MODEL = "mock"
 KEYS = KeySpace()

@@ -15,12 +15,12 @@ import redis
 import torch
 
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM, QueueTrie
-from shared.connections import sync_redis
-from shared.settings import ClientSettings
-from shared.tenants import TenantConfig
-from workers.backends.mock import MockAsyncLM
-from workers.masses import TrieMasses
+from lmqueue.producer import QueueLM, QueueTrie
+from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.masses import TrieMasses
 from workers_in_threads import ThreadedWorker
 
 
@@ -79,8 +79,8 @@ async def test_generated_tenant_users_submit_and_read_only_their_own_experiments
     redis_url: str,
 ) -> None:
     """The same ACL rules `lmq tenant add` makes cover experiments; Redis refuses the rest."""
-    from producer import Experiments
-    from shared.errors import Forbidden
+    from lmqueue.producer import Experiments
+    from lmqueue.shared.errors import Forbidden
 
     admin = redis.Redis.from_url(redis_url)
     tenant_admin = TenantAdmin(admin, redis_url)

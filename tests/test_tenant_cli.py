@@ -9,7 +9,7 @@ import redis
 from redis.exceptions import AuthenticationError
 
 from lmqueue.cli import main
-from shared.keys import KeySpace
+from lmqueue.shared.keys import KeySpace
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ import pytest
 import redis
 
 from lmqueue.tenant_admin import TenantAdmin
-from shared.keys import KeySpace
-from shared.tenants import TenantConfig
-from shared.wire import Request, encode_request
-from workers.backends.mock import MockAsyncLM
-from workers.upkeep import TENANT_REFRESH_S
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request, encode_request
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.upkeep import TENANT_REFRESH_S
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"

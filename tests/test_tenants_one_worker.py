@@ -18,14 +18,14 @@ import redis
 import torch
 
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.errors import QuotaExceeded
-from shared.keys import KeySpace
-from shared.settings import ClientSettings
-from shared.shared_cache import logprobs_kind
-from shared.tenants import TenantConfig
-from shared.wire import Request, decode_reply, encode_request
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import QuotaExceeded
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.shared_cache import logprobs_kind
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request, decode_reply, encode_request
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"

@@ -18,13 +18,13 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from lmqueue.local_cluster import LocalCluster
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from producer.resp_pipe import RespPipe
-from shared.connections import is_cluster, sync_redis
-from shared.keys import KeySpace
-from shared.settings import ClientSettings, RedisSettings
-from shared.tenants import TenantConfig
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.producer.resp_pipe import RespPipe
+from lmqueue.shared.connections import is_cluster, sync_redis
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.tenants import TenantConfig
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 

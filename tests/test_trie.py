@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared.errors import BadRequest, UnknownNode, VocabularyMismatch
-from shared.lm.tokens import Token
-from shared.lm.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
-from shared.lm.trie.inputs import MAX, SUM
-from shared.lm.trie.torch_levels import TorchLevels
+from lmqueue.shared.errors import BadRequest, UnknownNode, VocabularyMismatch
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.shared.lm.trie import ParallelTokenCharacterTrie, TokenCharacterTrie
+from lmqueue.shared.lm.trie.inputs import MAX, SUM
+from lmqueue.shared.lm.trie.torch_levels import TorchLevels
 
 # A small alphabet (with UTF-8 continuation bytes and 0xff) forces shared prefixes, duplicates
 # and empty entries.

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from test_trie import weights_for
 
-from shared.errors import Cancelled, VocabularyMismatch
-from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from lmqueue.shared.errors import Cancelled, VocabularyMismatch
+from lmqueue.shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
 WORDS = [b"a", b"ab", b"abc", b"b", b"", b"ab", b"\xc3\xa9"]
 

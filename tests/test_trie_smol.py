@@ -10,9 +10,9 @@ import pytest
 import torch
 from test_trie import brute_force, weights_for
 
-from shared.errors import VocabularyMismatch
-from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
-from shared.lm.vocab import decode_vocab
+from lmqueue.shared.errors import VocabularyMismatch
+from lmqueue.shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from lmqueue.shared.lm.vocab import decode_vocab
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
-from shared.lm.tokens import Token
-from workers.backends import engine_imports
-from workers.backends.engine_imports import VLLM, MissingEngine, import_engine
-from workers.backends.vllm import AsyncVirtualLM
-from workers.backends.vllm_engine import VLLMEngine
-from workers.backends.vllm_logits import TAG_KEY, BatchRows, RowSink, capture_processor_class
+from lmqueue.shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.workers.backends import engine_imports
+from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, import_engine
+from lmqueue.workers.backends.vllm import AsyncVirtualLM
+from lmqueue.workers.backends.vllm_engine import VLLMEngine
+from lmqueue.workers.backends.vllm_logits import TAG_KEY, BatchRows, RowSink, capture_processor_class
 
 VOCAB = 32
 
@@ -322,7 +322,7 @@ def test_the_processor_class_is_a_real_vllm_logits_processor() -> None:
 
 @needs_real_vllm
 def test_real_sampling_params_keep_the_tag_through_vllms_clone() -> None:
-    from workers.backends.vllm_logits import tag_of
+    from lmqueue.workers.backends.vllm_logits import tag_of
 
     assert tag_of(params("t1").clone()) == "t1"
     assert tag_of(REAL.SamplingParams(max_tokens=1)) is None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.lm.tokens import Token
-from shared.lm.vocab import VocabularyError, decode_vocab
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.shared.lm.vocab import VocabularyError, decode_vocab
 
 TEXTS = [
     "Hello, world!",
@@ -143,8 +143,8 @@ def test_tokenizers_load_from_published_files_in_many_threads_at_once(tmp_path):
     )
     import msgpack
 
-    from shared.registry import tokenizer_to_files
-    from workers.models import load_tokenizer
+    from lmqueue.shared.registry import tokenizer_to_files
+    from lmqueue.workers.models import load_tokenizer
 
     files = tokenizer_to_files(load_tokenizer("smollm2-135m"))
     blob = tmp_path / "files.msgpack"
@@ -162,7 +162,7 @@ def test_tokenizers_load_from_published_files_in_many_threads_at_once(tmp_path):
 
 def test_the_light_tokenizer_answers_as_the_huggingface_one(tmp_path, smol_tokenizer):
     """Same ids, texts, special tokens and vocabulary as transformers' tokenizer of the files."""
-    from shared.lm.light_tokenizer import LightTokenizer
+    from lmqueue.shared.lm.light_tokenizer import LightTokenizer
 
     smol_tokenizer.save_pretrained(tmp_path)
     light = LightTokenizer(tmp_path)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.errors import (
+from lmqueue.shared.errors import (
     Busy,
     DeadlineExceeded,
     LMQueueError,
@@ -16,7 +16,7 @@ from shared.errors import (
     ModelError,
     TokenOutOfVocabulary,
 )
-from shared.wire import (
+from lmqueue.shared.wire import (
     Request,
     bytes_to_ids,
     bytes_to_vector,

@@ -8,13 +8,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from shared.keys import KeySpace
-from shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
-from shared.settings import RedisSettings, WorkerSettings
-from shared.shared_cache import SharedCache
-from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
-from workers.backends.mock import MockAsyncLM
-from workers.worker import Worker
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.worker import Worker
 
 KEYS = KeySpace()
 MODEL = "mock"

@@ -11,10 +11,10 @@ import asyncio
 import threading
 from typing import Any
 
-from shared.connections import connect_async_redis
-from shared.lm.interface import AsyncLM
-from shared.settings import RedisSettings, WorkerSettings
-from workers.worker import Worker
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.workers.worker import Worker
 
 
 class ThreadedWorker:

@@ -1,4 +1,4 @@
-"""``python -m workers``: run one worker process."""
+"""``python -m lmqueue.workers``: run one worker process."""
 
 import sys
 

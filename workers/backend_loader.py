@@ -12,18 +12,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shared.errors import SettingsError
-from shared.lm.interface import AsyncLM
-from shared.settings import WorkerSettings
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.settings import WorkerSettings
 
 __all__ = ["backend_class", "backend_options", "load_backend"]
 
 #: Backend name -> (module, class); modules are imported only when their backend is used.
 _CLASSES = {
-    "mock": ("workers.backends.mock", "MockAsyncLM"),
-    "hf": ("workers.backends.hf", "AsyncTransformer"),
-    "vllm": ("workers.backends.vllm", "AsyncVirtualLM"),
-    "sgl": ("workers.backends.sgl", "AsyncSGLTransformer"),
+    "mock": ("lmqueue.workers.backends.mock", "MockAsyncLM"),
+    "hf": ("lmqueue.workers.backends.hf", "AsyncTransformer"),
+    "vllm": ("lmqueue.workers.backends.vllm", "AsyncVirtualLM"),
+    "sgl": ("lmqueue.workers.backends.sgl", "AsyncSGLTransformer"),
 }
 
 

@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 
-from shared.errors import DeadLettered, MalformedMessage
-from shared.keys import KeySpace
-from shared.settings import WorkerSettings
-from shared.wire import decode_request
+from lmqueue.shared.errors import DeadLettered, MalformedMessage
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.wire import decode_request
 
 from .outcome import Outcome
 from .request_stream import Entry, RequestStream

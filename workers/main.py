@@ -1,4 +1,4 @@
-"""The worker process: ``lmq worker`` / ``python -m workers``.
+"""The worker process: ``lmq worker`` / ``python -m lmqueue.workers``.
 
 Settings come from ``LMQ_*`` environment variables, overridden by command-line flags. SIGTERM
 and SIGINT set the stop event: the worker stops reading, finishes in-flight batches within
@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from shared.connections import connect_async_redis
-from shared.errors import SettingsError
-from shared.failures import report_failure
-from shared.redis_errors import redis_boundary
-from shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.failures import report_failure
+from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
 
 from .backend_loader import load_backend
 from .health import HealthServer, HealthState

@@ -19,10 +19,10 @@ from types import TracebackType
 
 import numpy as np
 
-from shared.errors import VocabularyMismatch
-from shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie
-from shared.lm.vocab import vocab_digest
-from shared.wire import Request
+from lmqueue.shared.errors import VocabularyMismatch
+from lmqueue.shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie
+from lmqueue.shared.lm.vocab import vocab_digest
+from lmqueue.shared.wire import Request
 
 __all__ = ["TrieMasses"]
 

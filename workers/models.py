@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.errors import UnknownModel
-from shared.settings import model_cache_dir
+from lmqueue.shared.errors import UnknownModel
+from lmqueue.shared.settings import model_cache_dir
 
 __all__ = [
     "ModelSpec",

@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.errors import LMQueueError
-from shared.wire import encode_error, encode_result
+from lmqueue.shared.errors import LMQueueError
+from lmqueue.shared.wire import encode_error, encode_result
 
 from .request_stream import Entry
 

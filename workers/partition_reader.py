@@ -31,12 +31,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.connections import execute_pipeline, is_cluster
-from shared.errors import SettingsError
-from shared.keys import WORKER_GROUP
-from shared.partitions import owned_partitions
-from shared.registry import ModelRegistry
-from shared.settings import WorkerSettings
+from lmqueue.shared.connections import execute_pipeline, is_cluster
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.keys import WORKER_GROUP
+from lmqueue.shared.partitions import owned_partitions
+from lmqueue.shared.registry import ModelRegistry
+from lmqueue.shared.settings import WorkerSettings
 
 from .metrics import WorkerMetrics
 from .request_stream import Entry

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from shared.errors import (
+from lmqueue.shared.errors import (
     BadRequest,
     DeadlineExceeded,
     LMQueueError,
@@ -35,11 +35,11 @@ from shared.errors import (
     ModelError,
     OversizeRequest,
 )
-from shared.keys import validate_client_id
-from shared.lm.interface import AsyncLM
-from shared.lm.validation import check_prompt
-from shared.shared_cache import SharedCache
-from shared.wire import Request, bytes_to_vector, decode_request, vector_payload
+from lmqueue.shared.keys import validate_client_id
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
 from .late_binding import ForwardPart
 from .metrics import WorkerMetrics

@@ -26,12 +26,12 @@ import time
 from collections.abc import Container
 from typing import Any
 
-from shared.connections import bounded, execute_pipeline, is_cluster
-from shared.keys import KeySpace
-from shared.redis_errors import REDIS_DOWN
-from shared.settings import WorkerSettings
-from shared.shared_cache import SharedCache
-from shared.wire import encode_claim, encode_result
+from lmqueue.shared.connections import bounded, execute_pipeline, is_cluster
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import REDIS_DOWN
+from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import encode_claim, encode_result
 
 from .metrics import WorkerMetrics
 from .outcome import Outcome

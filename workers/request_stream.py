@@ -15,8 +15,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.connections import execute_pipeline
-from shared.keys import WORKER_GROUP
+from lmqueue.shared.connections import execute_pipeline
+from lmqueue.shared.keys import WORKER_GROUP
 
 __all__ = ["Entry", "PendingInfo", "RequestStream"]
 

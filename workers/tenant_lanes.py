@@ -30,17 +30,17 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from shared.admission_script import ADMISSION_LUA
-from shared.connections import execute_pipeline
-from shared.errors import InvalidName, MalformedMessage, QuotaExceeded
-from shared.keys import KeySpace, validate_client_id
-from shared.lm.interface import AsyncLM
-from shared.partitions import stream_partitions
-from shared.registry import ModelInfo
-from shared.settings import WorkerSettings
-from shared.shared_cache import SharedCache
-from shared.tenants import TenantConfig, quota_fields
-from shared.wire import decode_request
+from lmqueue.shared.admission_script import ADMISSION_LUA
+from lmqueue.shared.connections import execute_pipeline
+from lmqueue.shared.errors import InvalidName, MalformedMessage, QuotaExceeded
+from lmqueue.shared.keys import KeySpace, validate_client_id
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.partitions import stream_partitions
+from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.tenants import TenantConfig, quota_fields
+from lmqueue.shared.wire import decode_request
 
 from .janitor import Janitor
 from .metrics import WorkerMetrics

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import ResponseError
 
-from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
-from shared.settings import WorkerSettings
-from shared.worker_stats import WorkerStats, write_worker_stats
+from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
+from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.worker_stats import WorkerStats, write_worker_stats
 
 from .health import HealthState
 

@@ -30,11 +30,11 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
-from shared.connections import bounded
-from shared.lm.interface import AsyncLM
-from shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
-from shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
-from shared.settings import WorkerSettings
+from lmqueue.shared.connections import bounded
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
+from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
+from lmqueue.shared.settings import WorkerSettings
 
 from .fair_share import FairShare, Pick
 from .health import HealthState

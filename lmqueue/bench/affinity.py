@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shared.settings import ClientSettings
+from lmqueue.shared.settings import ClientSettings
 
 from ..local_redis import free_port
 from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.connections import async_redis
-from shared.settings import ClientSettings, RedisSettings
-from shared.wire import ids_to_bytes
+from lmqueue.shared.connections import async_redis
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.wire import ids_to_bytes
 
 from .load import distinct_prompt, percentile
 from .report import DEFAULT_OUT_DIR, Report, command_parser

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.lm.vocab import decode_vocab
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .model import one_torch_thread
 from .report import DEFAULT_OUT_DIR, Report, command_parser
@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every side; returns the result written to ``<out-dir>/engines.json``."""
-    from workers.models import hf_directory, load_causal_lm, load_tokenizer
+    from lmqueue.workers.models import hf_directory, load_causal_lm, load_tokenizer
 
     report = Report("engines", {k: str(v) for k, v in vars(args).items()})
     with contextlib.ExitStack() as stack:
@@ -230,7 +230,7 @@ def _ratios(
 
 def main(argv: list[str] | None = None) -> int:
     """``lmq bench engines [flags]``."""
-    from workers.backends.engine_imports import VLLM, MissingEngine, require
+    from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, require
 
     parser = command_parser("engines", __doc__)
     add_arguments(parser)

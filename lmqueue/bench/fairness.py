@@ -30,9 +30,9 @@ from typing import Any
 import redis
 
 from lmqueue.tenant_admin import TenantAdmin
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
-from shared.tenants import TenantConfig
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.tenants import TenantConfig
 
 from .load import distinct_prompt, percentile
 from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared.lm.vocab import decode_vocab
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from ..worker_processes import WorkerProcess
 from .memory_bounds import MemorySampler, derive_bounds, model_figures, reset_peak_rss, vm_hwm
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/memory.json``."""
-    from workers.models import load_causal_lm, load_tokenizer
+    from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     report = Report("memory", {k: str(v) for k, v in vars(args).items()})
     tokenizer = load_tokenizer(args.model)
@@ -149,7 +149,7 @@ def _demand_line(args: argparse.Namespace, runs: dict[str, Any], workload: Workl
 
 
 def _maxmemory_bytes(url: str) -> int:
-    from shared.connections import sync_redis
+    from lmqueue.shared.connections import sync_redis
 
     redis = sync_redis(url)
     try:

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from shared.connections import sync_redis
+from lmqueue.shared.connections import sync_redis
 
 from .workload import Workload
 

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from shared.lm.vocab import decode_vocab
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/model.json``."""
-    from workers.models import load_causal_lm, load_tokenizer
+    from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     report = Report("model", {k: str(v) for k, v in vars(args).items()})
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -155,7 +155,7 @@ async def _genlm(model: Any, tokenizer: Any, workload: Workload) -> dict[str, An
 
 
 async def _inprocess(model: Any, tokenizer: Any, workload: Workload) -> dict[str, Any]:
-    from workers.backends.hf import AsyncTransformer
+    from lmqueue.workers.backends.hf import AsyncTransformer
 
     # The settings a worker gives its backend (workers.backend_loader with default settings).
     lm = AsyncTransformer(model, tokenizer, batch_size=32, timeout=0.005, max_batch_tokens=8192)

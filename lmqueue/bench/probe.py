@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.connections import async_redis, sync_redis
+from lmqueue.shared.connections import async_redis, sync_redis
 
 from .load import Counter, Window, measure_window
 from .probe_reader import READY, REPLIES, REQUESTS

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from redis.exceptions import ResponseError
 
-from shared.connections import async_redis
+from lmqueue.shared.connections import async_redis
 
 __all__ = ["REQUESTS", "REPLIES", "GROUP", "READY", "serve", "main"]
 

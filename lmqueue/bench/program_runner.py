@@ -29,8 +29,8 @@ __all__ = ["main"]
 async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
     from genlm.backend.llm import AsyncTransformer as GenlmTransformer
 
-    from shared.lm.vocab import decode_vocab
-    from workers.models import load_causal_lm, load_tokenizer
+    from lmqueue.shared.lm.vocab import decode_vocab
+    from lmqueue.workers.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     lm = GenlmTransformer(load_causal_lm(args.model), tokenizer)
@@ -40,7 +40,7 @@ async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _lmqueue(args: argparse.Namespace) -> dict[str, Any]:
-    from producer import QueueLM
+    from lmqueue.producer import QueueLM
 
     async with await QueueLM.connect(args.model, redis_url=args.redis_url) as lm:
         workload = _workload(args, lm.tokenizer, [bytes(t) for t in lm.byte_vocab])

@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import Window, closed_loop, distinct_prompt
 from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure

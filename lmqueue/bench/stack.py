@@ -1,7 +1,7 @@
 """The stack a benchmark runs on: private Redis servers, worker processes, clients, CPU meters.
 
 Every benchmark starts its own redis-server(s) on free ports, so runs never see each other's
-keys or memory, and its workers as real processes (``python -m workers``), the layout of a
+keys or memory, and its workers as real processes (``python -m lmqueue.workers``), the layout of a
 deployment. Nothing is read from ``LMQ_*`` variables here: a benchmark's configuration is its
 flags, so a rerun with the same command measures the same thing.
 """
@@ -21,10 +21,10 @@ from typing import Any
 
 import psutil
 
-from producer import QueueLM
-from shared.connections import connect_async_redis
-from shared.registry import ModelRegistry
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.registry import ModelRegistry
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from ..local_redis import LocalRedis
 from ..worker_processes import WorkerProcess

@@ -24,8 +24,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import Window, closed_loop, distinct_prompt
 from .probe import run_probe

@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from shared.lm.trie import ParallelTokenCharacterTrie
-from shared.lm.trie.layout import TrieLayout
-from shared.lm.vocab import decode_vocab
+from lmqueue.shared.lm.trie import ParallelTokenCharacterTrie
+from lmqueue.shared.lm.trie.layout import TrieLayout
+from lmqueue.shared.lm.vocab import decode_vocab
 
 __all__ = ["run", "main", "report"]
 
@@ -63,7 +63,7 @@ def run(
     """Time both operations for every contender; return timings (ms) and differences."""
     import torch
 
-    from workers.models import load_tokenizer
+    from lmqueue.workers.models import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     tries = _build(decode_vocab(tokenizer)[0])
@@ -173,7 +173,7 @@ def _model_distributions(
     """
     import torch
 
-    from workers.models import load_causal_lm
+    from lmqueue.workers.models import load_causal_lm
 
     from .workload import PROMPT_TEXT
 

@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from shared.errors import SettingsError
+from lmqueue.shared.errors import SettingsError
 
 from . import sample, score, smc
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import regex
 import torch
 
-from shared.lm.trie import TokenCharacterTrie
+from lmqueue.shared.lm.trie import TokenCharacterTrie
 
 __all__ = ["RegexConstraint"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.errors import BadRequest
+from lmqueue.shared.errors import BadRequest
 
 __all__ = ["run", "draw_samples"]
 

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shared.errors import BadRequest
+from lmqueue.shared.errors import BadRequest
 
 __all__ = ["run", "score_row", "encode_pair"]
 

@@ -18,8 +18,8 @@ import math
 from typing import Any
 
 from lmqueue.smc import lipogram_mask, run_smc
-from shared.errors import BadRequest
-from shared.lm.trie import TokenCharacterTrie
+from lmqueue.shared.errors import BadRequest
+from lmqueue.shared.lm.trie import TokenCharacterTrie
 
 from .regex_constraint import RegexConstraint
 

@@ -12,9 +12,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared.lm.tokens import Token
-from shared.lm.validation import check_prompt
-from shared.lm.vocab import decode_vocab
+from lmqueue.shared.lm.tokens import Token
+from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.lm.vocab import decode_vocab
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a client may never need it
     import torch

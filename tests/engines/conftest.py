@@ -16,9 +16,9 @@ import pytest
 
 from lmqueue.local_redis import LocalRedis
 from lmqueue.worker_processes import WorkerProcess
-from shared.connections import sync_redis
-from shared.keys import KeySpace
-from workers.backends.engine_imports import VLLM, installed_version
+from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.keys import KeySpace
+from lmqueue.workers.backends.engine_imports import VLLM, installed_version
 
 MODEL = "smollm2-135m"
 KEYS = KeySpace()
@@ -116,7 +116,7 @@ def vllm_worker_url(engine_redis: str, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="session")
 def hf_reference() -> Any:
     """The HF backend on SmolLM2-135M in float32, in this process: the rows to match."""
-    from workers.backends.hf import AsyncTransformer
+    from lmqueue.workers.backends.hf import AsyncTransformer
 
     return AsyncTransformer.from_name(MODEL, engine_opts={"dtype": "float32"}, cache_size=0)
 

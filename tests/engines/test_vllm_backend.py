@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from shared.errors import Cancelled, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from lmqueue.shared.errors import Cancelled, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
 
 from .conftest import ENGINE_OPTS, MODEL, assert_same_row
 
 
 @pytest.fixture(scope="module")
 def lm() -> Iterator[Any]:
-    from workers.backends.vllm import AsyncVirtualLM
+    from lmqueue.workers.backends.vllm import AsyncVirtualLM
 
     backend = AsyncVirtualLM.from_name(
         MODEL, engine_opts={**ENGINE_OPTS, "disable_log_stats": False}, cache_size=64

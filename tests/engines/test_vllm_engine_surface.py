@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from workers.backends.engine_imports import VLLM, require
+from lmqueue.workers.backends.engine_imports import VLLM, require
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_cpu_platform_reads_the_multiprocessing_variable(vllm: Any) -> None:
 
 
 def test_engine_args_take_the_cpu_defaults(vllm: Any) -> None:
-    from workers.backends.vllm_engine import CPU_DEFAULTS, VLLM_DEFAULTS
+    from lmqueue.workers.backends.vllm_engine import CPU_DEFAULTS, VLLM_DEFAULTS
 
     fields = vllm.EngineArgs.__dataclass_fields__
     assert set(CPU_DEFAULTS) | set(VLLM_DEFAULTS) <= set(fields)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from lmqueue.local_redis import LocalRedis
-from producer import QueueLM
+from lmqueue.producer import QueueLM
 
 from .conftest import MODEL, assert_same_row, vllm_worker, wait_live
 from .test_vllm_worker import _until_holding

@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from producer import QueueLM, QueueTrie
-from shared.connections import connect_async_redis
-from shared.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
-from shared.keys import WORKER_GROUP
-from shared.lm.trie import ParallelTokenCharacterTrie
+from lmqueue.producer import QueueLM, QueueTrie
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from lmqueue.shared.keys import WORKER_GROUP
+from lmqueue.shared.lm.trie import ParallelTokenCharacterTrie
 
 from .conftest import ENGINE_OPTS, KEYS, MODEL, assert_same_row, vllm_worker, wait_live
 

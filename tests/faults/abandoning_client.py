@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from producer import QueueLM
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 
 async def main(url: str, count: int) -> None:

@@ -14,8 +14,8 @@ import pytest
 from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
 from lmqueue.worker_processes import WorkerProcess
-from shared.connections import sync_redis
-from workers.backends.mock import MockAsyncLM
+from lmqueue.shared.connections import sync_redis
+from lmqueue.workers.backends.mock import MockAsyncLM
 
 from .harness import KEYS, MODEL, Figures
 

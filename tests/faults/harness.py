@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from producer import QueueLM
-from shared.connections import connect_async_redis
-from shared.errors import Cancelled, DeadlineExceeded
-from shared.keys import WORKER_GROUP, KeySpace
-from shared.settings import ClientSettings, RedisSettings
+from lmqueue.producer import QueueLM
+from lmqueue.shared.connections import connect_async_redis
+from lmqueue.shared.errors import Cancelled, DeadlineExceeded
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 MODEL = "smollm2-135m"
 KEYS = KeySpace()

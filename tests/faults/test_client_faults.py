@@ -11,9 +11,9 @@ from pathlib import Path
 
 import psutil
 
-from producer import QueueLM
-from shared.errors import DeadlineExceeded
-from workers.backends.mock import MockAsyncLM
+from lmqueue.producer import QueueLM
+from lmqueue.shared.errors import DeadlineExceeded
+from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 
 from .harness import (

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.connections import async_redis
-from shared.keys import WORKER_GROUP
-from shared.settings import RedisSettings, WorkerSettings
-from workers.janitor import Janitor
-from workers.request_stream import RequestStream
+from lmqueue.shared.connections import async_redis
+from lmqueue.shared.keys import WORKER_GROUP
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.workers.janitor import Janitor
+from lmqueue.workers.request_stream import RequestStream
 
 from .harness import KEYS, MODEL
 

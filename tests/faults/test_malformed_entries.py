@@ -9,10 +9,10 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.errors import MalformedMessage, OversizeRequest
-from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
-from workers.processor import BatchProcessor
-from workers.request_stream import Entry
+from lmqueue.shared.errors import MalformedMessage, OversizeRequest
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.workers.processor import BatchProcessor
+from lmqueue.workers.request_stream import Entry
 
 from .harness import KEYS, MODEL, Load, assert_clean, connect, make_prompts, probe, settled_streams
 

@@ -13,7 +13,7 @@ import signal
 
 import redis
 
-from shared.keys import WORKER_GROUP, KeySpace
+from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 
 from .harness import MODEL, Load, assert_clean, connect, make_prompts, probe, until
 from .test_worker_faults import FAST_RECLAIM

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.errors import DeadLettered, ModelError
-from shared.wire import Request, decode_reply, encode_request, ids_to_bytes
-from workers.backends.mock import MockAsyncLM
-from workers.processor import BatchProcessor
-from workers.request_stream import Entry
+from lmqueue.shared.errors import DeadLettered, ModelError
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.workers.backends.mock import MockAsyncLM
+from lmqueue.workers.processor import BatchProcessor
+from lmqueue.workers.request_stream import Entry
 
 from .harness import KEYS, MODEL, Load, assert_clean, connect, make_prompts, probe, settled_streams
 

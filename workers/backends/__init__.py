@@ -7,7 +7,7 @@ imports without them.
 
 from typing import Any
 
-from shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.interface import AsyncLM
 
 from .hf import AsyncTransformer
 from .mock import MockAsyncLM

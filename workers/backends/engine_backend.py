@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from shared.errors import Cancelled, ModelError
-from shared.lm.interface import AsyncLM
-from shared.lm.output_cache import OutputCache
-from shared.lm.validation import reject_adapter
+from lmqueue.shared.errors import Cancelled, ModelError
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.output_cache import OutputCache
+from lmqueue.shared.lm.validation import reject_adapter
 
 __all__ = ["EngineBackend", "Key", "Result", "engine_error", "engine_model_source", "settle"]
 
@@ -172,6 +172,6 @@ def engine_model_source(name: str) -> tuple[str, str]:
     A GGUF alias is converted once to a HuggingFace directory with its tokenizer
     (`workers.models.hf_directory`), which vLLM and SGLang load like any other.
     """
-    from workers.models import hf_directory, resolve_model
+    from lmqueue.workers.models import hf_directory, resolve_model
 
     return hf_directory(name), resolve_model(name).revision

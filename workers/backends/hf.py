@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from shared.errors import Cancelled
-from shared.lm.interface import AsyncLM
-from shared.lm.validation import reject_adapter
-from shared.settings import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
+from lmqueue.shared.errors import Cancelled
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.validation import reject_adapter
+from lmqueue.shared.settings import DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_WAIT_MS
 
 from .options import check_options
 from .padded_batch import (
@@ -150,7 +150,7 @@ class AsyncTransformer(AsyncLM):
         Raises:
             SettingsError: an option this backend does not accept.
         """
-        from workers.models import load_causal_lm, load_tokenizer, resolve_model
+        from lmqueue.workers.models import load_causal_lm, load_tokenizer, resolve_model
 
         check_options(cls.backend_name, options, cls.OPTIONS)
         device = options.pop("device", None)

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.errors import ModelError, SettingsError
-from shared.lm.interface import AsyncLM
-from shared.lm.validation import reject_adapter
+from lmqueue.shared.errors import ModelError, SettingsError
+from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.validation import reject_adapter
 
 from .options import check_options
 
@@ -94,7 +94,7 @@ class MockAsyncLM(AsyncLM):
         Raises:
             SettingsError: `engine_opts` (there is no engine) or an option it does not accept.
         """
-        from workers.models import load_tokenizer
+        from lmqueue.workers.models import load_tokenizer
 
         if engine_opts:
             raise SettingsError("the mock backend has no engine: engine_opts cannot be honoured")

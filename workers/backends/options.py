@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shared.errors import SettingsError
+from lmqueue.shared.errors import SettingsError
 
 __all__ = ["check_options", "gpu_index"]
 

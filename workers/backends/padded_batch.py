@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import ModelError
+from lmqueue.shared.errors import ModelError
 
 __all__ = [
     "ForwardStats",

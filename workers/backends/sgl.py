@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import Cancelled, ModelError
+from lmqueue.shared.errors import Cancelled, ModelError
 
 from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
 from .engine_imports import SGLANG, require
@@ -80,7 +80,7 @@ class AsyncSGLTransformer(EngineBackend):
             SettingsError: an option this backend does not accept.
             MissingEngine: SGLang is not installed (``pip install 'lmqueue[sgl]'``).
         """
-        from workers.models import load_tokenizer
+        from lmqueue.workers.models import load_tokenizer
 
         check_options(cls.backend_name, options, cls.OPTIONS)
         gpu_id = gpu_index(options.pop("device", None) or "cuda:0")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import BadRequest, ModelError
+from lmqueue.shared.errors import BadRequest, ModelError
 
 from .engine_backend import Key, Result, engine_error
 from .engine_imports import SGLANG, import_engine

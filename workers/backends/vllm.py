@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import Cancelled
+from lmqueue.shared.errors import Cancelled
 
 from .engine_backend import EngineBackend, Key, Result, engine_model_source, settle
 from .engine_imports import VLLM, require
@@ -74,7 +74,7 @@ class AsyncVirtualLM(EngineBackend):
             SettingsError: an option this backend does not accept.
             MissingEngine: vLLM is not installed (``pip install 'lmqueue[vllm]'``).
         """
-        from workers.models import load_tokenizer
+        from lmqueue.workers.models import load_tokenizer
 
         check_options(cls.backend_name, options, cls.OPTIONS)
         require(VLLM)  # before minutes of loading

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from shared.errors import BadRequest, Cancelled, ModelError
+from lmqueue.shared.errors import BadRequest, Cancelled, ModelError
 
 from .engine_backend import Key, Result, engine_error
 from .vllm_engine import VLLMEngine

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import BadRequest, ModelError
+from lmqueue.shared.errors import BadRequest, ModelError
 
 from .engine_imports import VLLM, import_engine
 from .vllm_logits import TAG_KEY, RowSink, capture_processor_class

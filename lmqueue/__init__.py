@@ -1,3 +1,13 @@
-"""The lmqueue application: command line, demo, local Redis, benchmarks."""
+"""lmqueue: next-token log-probabilities of language models, served through Redis streams.
 
-__all__: list[str] = []
+Programs ``await lm.next_token_logprobs(token_ids)`` on a `QueueLM` as they would on an
+in-process model, while a pool of workers batches the calls of many programs. This package is
+the whole distribution: its subpackages are ``lmqueue.producer`` (the client),
+``lmqueue.workers`` (``python -m lmqueue.workers``), ``lmqueue.shared`` (what both sides agree
+on) and ``lmqueue.scheduler`` (the experiment scheduler); the modules beside them are the
+application (``lmq``, the demo, the benchmarks).
+"""
+
+from lmqueue.producer import Experiments, ExperimentStatus, QueueLM, QueueTrie
+
+__all__ = ["QueueLM", "QueueTrie", "Experiments", "ExperimentStatus"]

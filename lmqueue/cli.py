@@ -1,12 +1,13 @@
 """``lmq``: the command line.
 
 lmq worker --backend hf --model smollm2-135m --redis-url redis://...   serve a model
-lmq submit "The capital of France is" --top-k 5                       ask once
+lmq submit "The capital of France is" --top-k 5  (or -, or --prompt-file F)  ask once
 lmq demo                                                               the whole pipeline
 lmq scheduler --redis-url redis://...                                  run experiments
 lmq experiment {submit,status,list,cancel,results} ...                 manage experiments
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
 lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
+lmq adapter {add,list,remove} MODEL ...                                LoRA adapters by name
 
 Every command reports a failure as one line naming the error and what to do, and exits
 non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
@@ -17,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
+from pathlib import Path
 
-from lmqueue.shared.failures import report_failure
-from lmqueue.shared.settings import ClientSettings
+from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.failures import ArgumentParser, report_failure
+from lmqueue.shared.settings import ClientSettings, redis_url_source
+
+from .connection_url import say_default_url
 
 __all__ = ["main", "build_parser"]
 
@@ -30,18 +36,34 @@ _VERBOSE = "--verbose"
 def _submit(args: argparse.Namespace) -> int:
     from lmqueue.producer import QueueLM
 
-    settings = ClientSettings.resolve(redis_url=args.redis_url)
+    text = _prompt_text(args)
+    url, source = redis_url_source(args.redis_url)
+    settings = ClientSettings.resolve(redis_url=url, cache_url=args.cache_url)
+    say_default_url(url, source, "lmq submit")  # once the settings are known to be good
 
     async def ask() -> None:
-        async with await QueueLM.connect(args.model, settings=settings) as lm:
-            ids = lm.tokenizer.encode(args.text)
+        async with await QueueLM.connect(args.model, settings=settings, adapter=args.adapter) as lm:
+            ids = lm.tokenizer.encode(text)
             logprobs = await lm.next_token_logprobs(ids)
-            values, tokens = logprobs.topk(args.top_k)
+            values, tokens = logprobs.topk(min(args.top_k, lm.vector_size))
+            print(f"{'token':>6}  {'logprob':>9}  {'prob':>7}  text")
             for logprob, token in zip(values.tolist(), tokens.tolist(), strict=True):
-                print(f"{2.718281828459045**logprob:8.4f}  {token:6d}  {lm.str_vocab[token]!r}")
+                shown = lm.str_vocab[token] if token < len(lm.str_vocab) else ""
+                print(f"{token:6d}  {logprob:9.4f}  {math.exp(logprob):7.4f}  {shown!r}")
 
     asyncio.run(ask())
     return 0
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt: the argument, standard input for ``-``, or the ``--prompt-file``."""
+    if args.prompt_file is not None:
+        if args.text is not None:
+            raise SettingsError("give the prompt as an argument or --prompt-file, not both")
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    if args.text is None:
+        raise SettingsError("no prompt: give it as an argument, - for stdin, or --prompt-file")
+    return sys.stdin.read() if args.text == "-" else str(args.text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,19 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     from lmqueue.scheduler.main import add_arguments as scheduler_arguments
     from lmqueue.workers.main import build_parser as worker_parser
 
-    from . import demo, experiments_cli, status, tenants
+    from . import adapters_cli, demo, experiments_cli, status, tenants
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(_VERBOSE, action="store_true", help="show tracebacks of failures")
     commands = parser.add_subparsers(dest="command", required=True)
     worker_parser(commands.add_parser("worker", help="serve a model from its request stream"))
     submit = commands.add_parser("submit", help="print the most likely next tokens of a text")
-    submit.add_argument("text")
+    submit.add_argument("text", nargs="?", help="the prompt; - reads it from standard input")
+    submit.add_argument("--prompt-file", default=None, help="read the prompt from this file")
     submit.add_argument("--top-k", type=int, default=10)
     submit.add_argument("--model", default="smollm2-135m")
-    submit.add_argument("--redis-url", default=None, help="default: $LMQ_REDIS_URL")
+    submit.add_argument(
+        "--redis-url",
+        default=None,
+        help="your tenant URL (default: $LMQ_REDIS_URL, else $REDIS_URL)",
+    )
+    submit.add_argument(
+        "--cache-url",
+        default=None,
+        help="override the cache address the workers publish (rarely needed)",
+    )
+    submit.add_argument("--adapter", default=None, help="a LoRA adapter served for the model")
     demo.add_arguments(commands.add_parser("demo", help="run the whole pipeline locally"))
     status.add_arguments(
         commands.add_parser("status", help="backlog, workers and caches, read from Redis")
@@ -72,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tenants.add_arguments(
         commands.add_parser("tenant", help="add, change, list or remove tenants (admin URL)")
+    )
+    adapters_cli.add_arguments(
+        commands.add_parser("adapter", help="add, list or remove a model's LoRA adapters")
     )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -112,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import tenants
 
             return tenants.run(args)
+        if args.command == "adapter":
+            from . import adapters_cli
+
+            return adapters_cli.run(args)
         from . import demo
 
         return demo.run(args)

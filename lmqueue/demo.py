@@ -4,7 +4,9 @@ Uses the Redis at ``--redis-url`` (or ``LMQ_REDIS_URL``/``REDIS_URL``) if set, e
 private redis-server on a free port; starts worker processes for the default model; runs a
 constrained multi-particle generation (SMC: no token may contain the letter "e") through the
 queue with a progress bar; prints the samples and the throughput; then stops everything it
-started.
+started. ``--workers 0 --redis-url URL`` starts no worker and samples through the workers a
+deployment already runs, with the one URL ``lmq tenant add`` printed (the cache instance, if
+separate, is found in the registry).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import time
 from collections.abc import Iterator
 
 from lmqueue.producer import QueueLM
-from lmqueue.shared.errors import ModelError, UnknownModel
+from lmqueue.shared.errors import ModelError, SettingsError, UnknownModel
+from lmqueue.shared.failures import configure_logging
+from lmqueue.shared.lm.smc import SMCResult, lipogram_mask, run_smc
 from lmqueue.shared.settings import configured_redis_url
 
 from .local_redis import LocalRedis
-from .smc import SMCResult, lipogram_mask, run_smc
 from .worker_processes import WorkerProcess
 
 __all__ = ["add_arguments", "run"]
@@ -33,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's flags."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--backend", default="hf", choices=["hf", "mock"])
-    parser.add_argument("--workers", type=int, default=1, help="worker processes to start")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes to start (0: use the deployment's)")  # fmt: skip
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -96,6 +100,8 @@ async def _generate(args: argparse.Namespace, url: str, workers: list[WorkerProc
 
 async def _connect(model: str, url: str, workers: list[WorkerProcess]) -> QueueLM:
     """Wait for the first worker to publish the model, failing fast if every worker died."""
+    if not workers:  # the deployment's workers: the model is published or it is not
+        return await QueueLM.connect(model, redis_url=url)
     while True:
         try:
             return await QueueLM.connect(model, redis_url=url, connect_timeout_s=2.0)
@@ -139,10 +145,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     import torch
 
-    logging.basicConfig(level=logging.WARNING)
+    configure_logging(logging.WARNING, "%(levelname)s %(name)s %(message)s")
     # This process only samples; a team of spinning OpenMP threads would take the cores the
     # worker computes on (see README, "Client processes").
     torch.set_num_threads(1)
+    if args.workers < 0 or (args.workers == 0 and not (args.redis_url or configured_redis_url())):
+        raise SettingsError("--workers 0 uses a deployment's workers: give its --redis-url")
     with _redis(args.redis_url or configured_redis_url()) as url:
         with _workers(args, url) as workers:
             asyncio.run(_generate(args, url, workers))

@@ -82,13 +82,17 @@ def build_params(args: argparse.Namespace) -> dict[str, Any]:
     """Parameters from ``--params``, ``--data`` and ``--set`` (in that order, later wins)."""
     params: dict[str, Any] = {}
     if args.params is not None:
-        loaded = json.loads(args.params.read_text())
+        loaded = _json(args.params.read_text(), f"--params {args.params}")
         if not isinstance(loaded, dict):
             raise BadRequest(f"--params {args.params}: expected a JSON object")
         params.update(loaded)
-    if args.data is not None:
+    if args.data is not None:  # an unreadable file: OSError naming it (exit 2)
         lines = args.data.read_text().splitlines()
-        params["rows"] = [json.loads(line) for line in lines if line.strip()]
+        params["rows"] = [
+            _json(line, f"--data {args.data} line {number}")
+            for number, line in enumerate(lines, 1)
+            if line.strip()
+        ]
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -98,6 +102,13 @@ def build_params(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError:
             params[key] = value  # a plain string
     return params
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise BadRequest(f"{where}: not JSON ({exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:

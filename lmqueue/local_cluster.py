@@ -2,7 +2,9 @@
 
 Three masters with one replica each by default, no persistence (``--save '' --appendonly
 no``), a short node timeout so that a killed master's replica is promoted in about two
-seconds. `kill_master_of` and `migrate_slot` are the faults the cluster tests inject. Given a
+seconds. `kill_master_of`/`kill_master` and `migrate_slot` are the faults the cluster tests
+inject; `restart` and `promote` put a killed master back where it was, so one cluster can take
+many failovers in a row. Given a
 certificate and key (`tls`), the nodes speak only TLS, to clients and on the cluster bus.
 """
 
@@ -86,11 +88,14 @@ class LocalCluster:
     @property
     def url(self) -> str:
         """The redis:// URL of one live node (any node serves as the entry point)."""
-        node = next(n for n in self.nodes if n.alive)
+        return self.url_of(next(n for n in self.nodes if n.alive).port)
+
+    def url_of(self, port: int) -> str:
+        """The URL naming the node on `port`."""
         if self.tls is None:
-            return f"redis://127.0.0.1:{node.port}/0"
+            return f"redis://127.0.0.1:{port}/0"
         query = f"ssl_ca_certs={self.tls[0]}&ssl_check_hostname=true"
-        return f"rediss://127.0.0.1:{node.port}/0?{query}"
+        return f"rediss://127.0.0.1:{port}/0?{query}"
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         """Start every node, join them into a cluster, wait for ``cluster_state:ok``."""
@@ -98,7 +103,7 @@ class LocalCluster:
             for node in self.nodes:
                 self._spawn(node)
             for node in self.nodes:
-                self._wait_ping(node, timeout_s)
+                self._wait_listening(node, timeout_s)
             addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
             subprocess.run(
                 ["redis-cli", *self._cli_tls(), "--cluster", "create", *addresses,
@@ -111,6 +116,19 @@ class LocalCluster:
             self.close()
             raise
         return self
+
+    def _wait_listening(self, node: ClusterNode, timeout_s: float, tries: int = 3) -> None:
+        """Wait until a new node answers; one that exited (another process took its port
+        since `_free_node_port` looked: seen on a busy shared machine) moves to a new port."""
+        for attempt in range(tries):
+            try:
+                self._wait_ping(node, timeout_s)
+                return
+            except RuntimeError:
+                if node.alive or attempt == tries - 1:
+                    raise
+            node.port = _free_node_port()
+            self._spawn(node)
 
     def _spawn(self, node: ClusterNode) -> None:
         log = self._dir / f"redis-{node.port}.log"
@@ -167,8 +185,12 @@ class LocalCluster:
         """Wait until every master has `replicas` replicas in sync (``state=online``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(self._online_replicas(port) >= self.replicas for port in self.master_ports()):
-                return
+            try:
+                ports = self.master_ports()
+                if all(self._online_replicas(port) >= self.replicas for port in ports):
+                    return
+            except redis.RedisError:  # a node that has just (re)started may still be loading
+                pass
             time.sleep(0.1)
         raise RuntimeError(f"the replicas did not sync in {timeout_s} s")
 
@@ -249,19 +271,61 @@ class LocalCluster:
             The port of the killed node.
         """
         port = self.port_of_slot(self.slot_of(key))
+        self.kill_master(port, timeout_s)
+        return port
+
+    def kill_master(self, port: int, timeout_s: float = 30.0) -> None:
+        """SIGKILL the master on `port`; wait until a replica serves its slots, all nodes agree."""
+        slots = self._slots_of(port)
         node = next(n for n in self.nodes if n.port == port)
-        assert node.process is not None
+        assert node.process is not None and slots, f"{port} is not a live master"
         node.process.kill()
         node.process.wait()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if self.port_of_slot(self.slot_of(key)) != port and self._all_ok():
-                    return port
+                if self.port_of_slot(slots[0]) != port and self._all_ok():
+                    return
             except (redis.RedisError, LookupError):
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"no replica took over from the killed master {port}")
+
+    def _slots_of(self, port: int) -> list[int]:
+        """The first slot of each range the master on `port` serves."""
+        node = next(n for n in self.nodes if n.alive)
+        with self._client(node.port) as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        return [int(start) for start, _end, master, *_ in ranges if int(master[1]) == port]
+
+    def restart(self, port: int, timeout_s: float = 30.0) -> None:
+        """Start the killed node on `port` again: it rejoins as a replica (its data is gone)."""
+        node = next(n for n in self.nodes if n.port == port)
+        if node.alive:
+            raise RuntimeError(f"cluster node {port} is running")
+        self._spawn(node)
+        self._wait_ping(node, timeout_s)
+        self.wait_ok(timeout_s)
+        self.wait_replicated(timeout_s)
+
+    def promote(self, port: int, timeout_s: float = 30.0) -> None:
+        """Make the replica on `port` its master's master again (``CLUSTER FAILOVER``, no loss)."""
+        deadline = time.monotonic() + timeout_s
+        while True:  # a node that has just rejoined may still be loading its master's data
+            try:
+                with self._client(port) as client:
+                    client.execute_command("CLUSTER", "FAILOVER")
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            if port in self.master_ports() and self._all_ok():
+                self.wait_replicated(timeout_s)
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the replica on {port} did not take over in {timeout_s} s")
 
     def migrate_slot(self, slot: int, to_port: int, pause_s: float = 0.0) -> int:
         """Move `slot` and its keys to the master on `to_port` (CLUSTER SETSLOT + MIGRATE).

@@ -1,11 +1,10 @@
 """``lmq status [--json] [--watch]``: the fleet as Redis sees it, without Prometheus.
 
-Per model and tenant: the backlog (XLEN: workers delete entries once answered, so the stream
-holds exactly the pending plus the undelivered ones), how many of those a worker holds
-(XPENDING), the age of the oldest (its stream id is Redis's clock at XADD) and the dead
-letters. Per worker: the age of its heartbeat and the figures it keeps in its stats hash
-(shared/worker_stats.py). For the cache role (and the queue role): memory, bound, policy,
-evictions and the keyspace hit rate from INFO.
+What is shown is `lmqueue.status_collect`'s; this module is the command: which Redis it reads
+(said first, password masked, and said to be only the default when nothing named one), the
+cache instance (``--cache-url``, else the address the workers publish, with the same
+credentials), the text rendering (stale workers marked with how long they have been silent)
+and the refresh loop, which flushes every refresh so ``--watch`` works into a pipe.
 """
 
 from __future__ import annotations
@@ -15,19 +14,24 @@ import asyncio
 import dataclasses
 import json
 import signal
+import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
-
-from lmqueue.shared.keys import WORKER_GROUP, KeySpace
-from lmqueue.shared.partitions import stream_partitions
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
 from lmqueue.shared.registry import ModelInfo
-from lmqueue.shared.settings import RedisSettings
-from lmqueue.shared.worker_stats import read_worker_stats
+from lmqueue.shared.settings import (
+    RedisSettings,
+    configured_metrics_host,
+    mask_url,
+    redis_url_source,
+)
+
+from .connection_url import say_default_url
+from .status_collect import collect_status
+from .status_metrics import serve_status_metrics
 
 __all__ = ["add_arguments", "run", "collect_status", "render_text"]
 
@@ -50,111 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the status as Prometheus metrics on this port until stopped (an exporter "
         "for alerts and dashboards that runs while no worker does)",
     )  # fmt: skip
-
-
-async def collect_status(
-    redis: Any,
-    keys: KeySpace,
-    cache_redis: Any | None = None,
-    tenants: Sequence[str] | None = None,
-    models: Sequence[str] | None = None,
-) -> dict[str, Any]:
-    """The status as a JSON-able dict (see the module docstring for what is in it)."""
-    now_s, now_us = await redis.time()
-    now_ms = int(now_s) * 1000 + int(now_us) // 1000
-    if not models:
-        models = [_text(name) for name in await redis.smembers(keys.models())]
-    if not tenants:  # the settings' tenant and every tenant the operator added
-        tenants = sorted({keys.tenant, *(_text(t) for t in await redis.hkeys(keys.tenants()))})
-    tenant_keys = {t: dataclasses.replace(keys, tenant=t) for t in tenants}
-    status: dict[str, Any] = {"time_ms": now_ms, "models": {}}
-    for model in sorted(models):
-        raw_info = await redis.get(keys.model_info(model))
-        partitions = ModelInfo.from_bytes(raw_info).partitions if raw_info else 1
-        streams = {
-            tenant: await _stream_status(redis, tenant_space, model, partitions, now_ms)
-            for tenant, tenant_space in tenant_keys.items()
-        }
-        status["models"][model] = {
-            "partitions": partitions,
-            "backlog": sum(s["backlog"] for s in streams.values()),
-            "tenants": streams,
-            "workers": await _workers(redis, keys, model, now_ms),
-        }
-    status["queue"] = await _memory(redis)
-    status["cache"] = await _memory(cache_redis if cache_redis is not None else redis)
-    return status
-
-
-async def _stream_status(
-    redis: Any, keys: KeySpace, model: str, partitions: int, now_ms: int
-) -> dict[str, Any]:
-    """One tenant's streams of `model`, every partition's summed (the oldest: the oldest's)."""
-    backlog = pending = 0
-    oldest_ms: int | None = None
-    for partition in stream_partitions(partitions):
-        stream = keys.requests(model, partition)
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.xlen(stream)
-            pipe.xrange(stream, count=1)
-            length, first = await pipe.execute()
-        backlog += int(length)
-        try:
-            pending += int((await redis.xpending(stream, WORKER_GROUP))["pending"])
-        except ResponseError:  # no stream or no group yet
-            pass
-        if first:
-            enqueued_ms = int(_text(first[0][0]).partition("-")[0])
-            oldest_ms = enqueued_ms if oldest_ms is None else min(oldest_ms, enqueued_ms)
-    dead = await redis.xlen(keys.dead_letters(model))
-    oldest_age_s = None if oldest_ms is None else max(now_ms - oldest_ms, 0) / 1000
-    return {
-        "backlog": backlog,
-        "pending": pending,
-        "undelivered": max(backlog - pending, 0),
-        "oldest_age_s": oldest_age_s,
-        "dead_letters": int(dead),
-    }
-
-
-async def _workers(redis: Any, keys: KeySpace, model: str, now_ms: int) -> dict[str, Any]:
-    beats = await redis.zrange(keys.model_workers(model), 0, -1, withscores=True)
-    names = [_text(name) for name, _ in beats]
-    stats = await read_worker_stats(redis, keys, model, names)
-    workers = {}
-    for name, (_, score) in zip(names, beats, strict=True):
-        row: dict[str, Any] = {"heartbeat_age_s": max(now_ms - int(score), 0) / 1000}
-        if name in stats:
-            figures = dataclasses.asdict(stats[name])
-            figures["tenants"] = list(figures["tenants"])
-            del figures["model"]
-            row.update(figures)
-            lookups = stats[name].shared_cache_hits + stats[name].shared_cache_misses
-            row["shared_cache_hit_rate"] = (
-                stats[name].shared_cache_hits / lookups if lookups else None
-            )
-        workers[name] = row
-    return workers
-
-
-async def _memory(redis: Any) -> dict[str, Any]:
-    memory = await redis.info("memory")
-    stats = await redis.info("stats")
-    hits, misses = int(stats.get("keyspace_hits", 0)), int(stats.get("keyspace_misses", 0))
-    return {
-        "used_memory_bytes": int(memory.get("used_memory", 0)),
-        "maxmemory_bytes": int(memory.get("maxmemory", 0)),
-        "maxmemory_policy": _text(memory.get("maxmemory_policy", "")),
-        "evicted_keys": int(stats.get("evicted_keys", 0)),
-        "keyspace_hits": hits,
-        "keyspace_misses": misses,
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
-    }
+    parser.add_argument(
+        "--metrics-host", default=None,
+        help="address the exporter listens on (default: $LMQ_METRICS_HOST, else 127.0.0.1)",
+    )  # fmt: skip
 
 
 def render_text(status: dict[str, Any]) -> str:
     """The status as a few aligned tables for a terminal."""
-    lines = []
+    lines = [f"redis {status['url']}"] if "url" in status else []
     for model, info in status["models"].items():
         lines.append(f"model {model}: backlog {info['backlog']}")
         lines.append(_row("tenant", "backlog", "pending", "waiting", "oldest", "dead"))
@@ -163,15 +71,29 @@ def render_text(status: dict[str, Any]) -> str:
                               _age(s["oldest_age_s"]), s["dead_letters"]))  # fmt: skip
         lines.append(_row("worker", "heartbeat", "batch/s", "req/s", "backend", "tenants"))
         for name, w in info["workers"].items():
+            beat = _age(w["heartbeat_age_s"]) + (" STALE" if w.get("stale") else "")
             lines.append(_row(
-                name, _age(w["heartbeat_age_s"]), f"{w.get('batches_per_s', 0.0):.1f}",
+                name, beat, f"{w.get('batches_per_s', 0.0):.1f}",
                 f"{w.get('requests_per_s', 0.0):.1f}", w.get("backend", "?"),
                 ",".join(w.get("tenants", [])),
             ))  # fmt: skip
         if not info["workers"]:
             lines.append("  (no live workers)")
+        stale = [(n, w) for n, w in info["workers"].items() if w.get("stale")]
+        for name, w in stale:
+            lines.append(f"  {name}: STALE, heartbeat silent for {_age(w['heartbeat_age_s'])}"
+                         " (killed, frozen or cut off from Redis?)")  # fmt: skip
+        lines += _rebuild_lines(info["workers"], status.get("time_ms"))
+    if status.get("cluster_rebuilds"):
+        lines.append(f"this connection: Redis Cluster client rebuilt {status['cluster_rebuilds']}x")
     for role in ("queue", "cache"):
         m = status[role]
+        if role == "cache" and m.get("unreadable"):
+            lines.append("cache redis: a separate instance this user cannot read (see above)")
+            continue
+        if role == "cache" and m.get("same_instance_as_queue"):
+            lines.append("cache redis: the queue instance (no separate cache)")
+            continue
         bound = _size(m["maxmemory_bytes"]) if m["maxmemory_bytes"] else "unbounded"
         rate = "-" if m["hit_rate"] is None else f"{100 * m['hit_rate']:.1f}%"
         lines.append(
@@ -179,6 +101,17 @@ def render_text(status: dict[str, Any]) -> str:
             f"{m['evicted_keys']} evicted, hit rate {rate}"
         )
     return "\n".join(lines)
+
+
+def _rebuild_lines(workers: dict[str, Any], now_ms: int | None) -> list[str]:
+    """One line per worker whose Redis Cluster client lost every node and was rebuilt."""
+    lines = []
+    for name, w in workers.items():
+        if w.get("cluster_rebuilds"):
+            ago = (now_ms - w["cluster_rebuilt_ms"]) / 1000 if now_ms else None
+            lines.append(f"  {name}: Redis Cluster client rebuilt {w['cluster_rebuilds']}x, "
+                         f"last {_age(ago)} ago")  # fmt: skip
+    return lines
 
 
 def _row(name: str, *cells: Any) -> str:
@@ -203,11 +136,23 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+async def _connect(settings: RedisSettings) -> RedisRoles:
+    """The queue and the cache instance to read: ``--cache-url``, else the address the
+    workers publish (reached with the queue URL's credentials), else the queue itself."""
+    queue = await connect_queue(settings)
+    published = ""
+    for name in sorted(await queue.smembers(settings.keyspace().models())):
+        raw = await queue.get(settings.keyspace().model_info(_text(name)))
+        published = published or (ModelInfo.from_bytes(raw).cache_address if raw else "")
+    # a user without access to the cache still sees the queue (one warning says why)
+    return await connect_redis_roles(settings, published, cache_required=False, queue=queue)
+
+
 async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
-    redis = aioredis.Redis.from_url(settings.url)
-    cache = None
-    if settings.cache_url and settings.cache_url != settings.url:
-        cache = aioredis.Redis.from_url(settings.cache_url)
+    roles = await _connect(settings)
+    redis, cache = roles.queue, roles.cache if roles.separate else None
+    # (a separate cache this user cannot read: the queue's figures, replaced below)
+    tty = sys.stdout.isatty()
     try:
         if args.metrics_port:
             await _export(args, settings, redis, cache)
@@ -216,31 +161,34 @@ async def _show(args: argparse.Namespace, settings: RedisSettings) -> None:
             status = await collect_status(
                 redis, settings.keyspace(), cache, args.tenant, args.model
             )
+            status["url"] = mask_url(settings.url)
+            status["cluster_rebuilds"] = cluster_rebuilds(redis, cache)[0]
+            if roles.separate and roles.cache_url:
+                status["cache"]["url"] = mask_url(roles.cache_url)
+            if roles.separate and roles.cache is None:
+                status["cache"] = {"unreadable": True}
             text = json.dumps(status, indent=2) if args.json else render_text(status)
             if args.watch and not args.json:
-                text = f"\x1b[H\x1b[2J{time.strftime('%H:%M:%S')}\n{text}"
+                clear = "\x1b[H\x1b[2J" if tty else ""  # a pipe gets refreshes one after another
+                text = f"{clear}{time.strftime('%H:%M:%S')}\n{text}"
             print(text, flush=True)
             if not args.watch:
                 return
             await asyncio.sleep(args.interval)
     finally:
-        await redis.aclose()
-        if cache is not None:
-            await cache.aclose()
+        await roles.aclose()
 
 
 async def _export(
     args: argparse.Namespace, settings: RedisSettings, redis: Any, cache: Any
 ) -> None:
-    from .status_metrics import serve_status_metrics
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await serve_status_metrics(
         redis, settings.keyspace(), cache, args.tenant, args.model, args.metrics_port,
-        args.interval, stop,
+        args.interval, stop, host=configured_metrics_host(args.metrics_host),
     )  # fmt: skip
 
 
@@ -251,12 +199,13 @@ def run(args: argparse.Namespace) -> int:
         Unavailable, Forbidden: if Redis cannot be reached or refuses (the CLI reports it).
     """
     settings = RedisSettings.from_env()
-    if args.redis_url:
-        settings = dataclasses.replace(settings, url=args.redis_url)
+    url, source = redis_url_source(args.redis_url)
+    settings = dataclasses.replace(settings, url=url)
     if args.cache_url:
         settings = dataclasses.replace(settings, cache_url=args.cache_url)
+    say_default_url(url, source, "lmq status")
     try:
-        with redis_boundary("lmq status"):
+        with redis_boundary("lmq status", settings.url):
             asyncio.run(_show(args, settings))
     except KeyboardInterrupt:  # how --watch and the exporter are left
         return 0

@@ -34,9 +34,9 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from lmqueue.shared.keys import KeySpace
-from lmqueue.workers.health import HealthServer, HealthState
+from lmqueue.workers.health import DEFAULT_METRICS_HOST, HealthServer, HealthState
 
-from .status import collect_status
+from .status_collect import STALE_AFTER_S, collect_status
 
 __all__ = ["StatusCollector", "serve_status_metrics"]
 
@@ -56,7 +56,7 @@ class StatusCollector(Collector):
         stale_after_s: a worker whose heartbeat is older counts as ``stale``.
     """
 
-    def __init__(self, stale_after_s: float = 15.0) -> None:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self.status: dict[str, Any] | None = None
         self.refreshed_s = 0.0
@@ -137,7 +137,7 @@ async def serve_status_metrics(
     port: int,
     interval_s: float,
     stop: asyncio.Event,
-    host: str = "0.0.0.0",
+    host: str | None = None,
 ) -> None:
     """Refresh the status every `interval_s` and serve it on `port` until `stop` is set."""
     registry = CollectorRegistry(auto_describe=True)
@@ -146,7 +146,7 @@ async def serve_status_metrics(
     state = HealthState(
         loop_stale_s=max(30.0, 3 * interval_s), heartbeat_stale_s=max(30.0, 3 * interval_s)
     )
-    async with HealthServer(state, registry, host, port):
+    async with HealthServer(state, registry, host or DEFAULT_METRICS_HOST, port):
         state.mark_serving()
         while not stop.is_set():
             state.tick()

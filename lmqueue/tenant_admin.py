@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from redis.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from lmqueue.shared.admission_script import ADMISSION_LUA
 from lmqueue.shared.errors import SettingsError
 from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_errors import translate
 from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.settings import mask_url
 from lmqueue.shared.tenants import (
     WORKER_USER,
     TenantConfig,
@@ -59,7 +62,13 @@ class TenantRow:
 
 
 class TenantAdmin:
-    """Creates, changes and removes tenants and the workers' user (sync redis-py client)."""
+    """Creates, changes and removes tenants and the workers' user (sync redis-py client).
+
+    `caches` are the deployment's other instances (a separate cache), each an admin client
+    and its URL: every user is made on each of them too, with the same password, so a
+    tenant's one URL works everywhere. A change reaches every instance or none: access to
+    each is checked first, and a user made on some before one refused is deleted again.
+    """
 
     def __init__(
         self,
@@ -68,28 +77,55 @@ class TenantAdmin:
         prefix: str = "lmq",
         cache_redis: Any | None = None,
         cache_url: str | None = None,
+        caches: Sequence[tuple[Any, str]] = (),
     ) -> None:
         self.redis = redis
         self.url = url
         self.prefix = prefix
         self.keys = KeySpace(prefix)
-        #: A separate cache instance gets the same users (same passwords).
-        self.cache_redis = cache_redis
-        self.cache_url = cache_url
-        #: The cache instance's URL for the user of the last add/set/worker_user, if any.
-        self.last_cache_url: str | None = None
+        self.caches = list(caches)
+        if cache_redis is not None:
+            self.caches.append((cache_redis, cache_url or ""))
 
-    def _acl(self, *args: Any) -> None:
-        """Run one ACL command on the queue instance and a separate cache instance: on a
-        Redis Cluster on every node (each node keeps its own users)."""
-        for client in (self.redis, self.cache_redis):
-            if client is not None:
+    @property
+    def _instances(self) -> list[tuple[Any, str]]:
+        return [(self.redis, self.url), *self.caches]
+
+    def check_access(self) -> None:
+        """Raise `SettingsError` unless this admin may manage users on every instance.
+
+        Raises:
+            SettingsError: naming the instance (password masked) and what it answered.
+        """
+        for client, url in self._instances:
+            try:
+                client.execute_command("ACL", "USERS", **_every_node(client))
+            except (RedisError, OSError) as exc:
+                raise SettingsError(
+                    f"nothing changed: cannot manage users at {mask_url(url)} "
+                    f"({translate(exc, 'ACL USERS', url).message})",
+                    remedy="give that instance's admin URL with --cache-url, or start it",
+                ) from exc
+
+    def _acl(self, *args: Any, undo: Sequence[Any] = ()) -> None:
+        """Run one ACL command on every instance (on a Redis Cluster on every node: each node
+        keeps its own users); where one fails, run `undo` where it succeeded, and raise."""
+        done: list[Any] = []
+        for client, url in self._instances:
+            try:
                 client.execute_command("ACL", *args, **_every_node(client))
-
-    def _issue(self, user: str, password: str) -> str:
-        if self.cache_url is not None:
-            self.last_cache_url = user_url(self.cache_url, user, password)
-        return user_url(self.url, user, password)
+            except (RedisError, OSError) as exc:
+                for earlier in done if undo else ():
+                    earlier.execute_command("ACL", *undo, **_every_node(earlier))
+                outcome = (
+                    "nothing changed" if undo or not done
+                    else f"changed on {len(done)} of {len(self._instances)} instances"
+                )  # fmt: skip
+                raise SettingsError(
+                    f"{outcome}: {mask_url(url)} refused ACL {args[0]} "
+                    f"({translate(exc, 'ACL', url).message})"
+                ) from exc
+            done.append(client)
 
     # -- tenants ---------------------------------------------------------------------------------
     def add(self, config: TenantConfig, password: str | None = None) -> str:
@@ -100,12 +136,17 @@ class TenantAdmin:
         """
         self._not_myself(config.name)
         if self.redis.hexists(self.keys.tenants(), config.name) or self._user_exists(config.name):
-            raise SettingsError(f"tenant {config.name!r} exists; use `lmq tenant set`")
+            raise SettingsError(
+                f"tenant {config.name!r} exists",
+                remedy=f"change it with `lmq tenant set {config.name} ...`, or remove it first",
+            )
         password = password or secrets.token_urlsafe(24)
         rules = tenant_acl_rules(config, self.prefix)
-        self._acl("SETUSER", config.name, "reset", "on", password_hash(password), *rules)
+        self.check_access()
+        self._acl("SETUSER", config.name, "reset", "on", password_hash(password), *rules,
+                  undo=("DELUSER", config.name))  # fmt: skip
         self._store(config)
-        return self._issue(config.name, password)
+        return user_url(self.url, config.name, password)
 
     def set(self, name: str, new_password: bool = False, **changes: Any) -> str | None:
         """Change a tenant's settings (and rules); returns a new URL if the password changed.
@@ -118,9 +159,10 @@ class TenantAdmin:
         rules = tenant_acl_rules(config, self.prefix)
         password = secrets.token_urlsafe(24) if new_password else None
         credentials = ["resetpass", password_hash(password)] if password else []
+        self.check_access()
         self._acl("SETUSER", name, *credentials, *rules)
         self._store(config)
-        return self._issue(name, password) if password else None
+        return user_url(self.url, name, password) if password else None
 
     def remove(self, name: str) -> None:
         """Delete the tenant's user (its connections close), record and quota hashes.
@@ -130,6 +172,7 @@ class TenantAdmin:
         (answered if the tenant is added again).
         """
         self._not_myself(validate_tenant(name))
+        self.check_access()
         self._acl("DELUSER", name)
         self.redis.hdel(self.keys.tenants(), name)
         tenant_keys = KeySpace(self.prefix, name)
@@ -146,7 +189,7 @@ class TenantAdmin:
         """
         raw = self.redis.hget(self.keys.tenants(), validate_tenant(name))
         if raw is None:
-            raise SettingsError(f"no tenant {name!r} (lmq tenant list)")
+            raise SettingsError(f"no tenant {name!r}", remedy="`lmq tenant list` shows them")
         return TenantConfig.from_json(name, raw)
 
     def tenants(self) -> list[TenantRow]:
@@ -165,9 +208,10 @@ class TenantAdmin:
         self._not_myself(name)
         password = password or secrets.token_urlsafe(24)
         rules = worker_acl_rules(self.prefix)
+        self.check_access()
         self._acl("SETUSER", name, "reset", "on", password_hash(password), *rules)
         self._save_acl()
-        return self._issue(name, password)
+        return user_url(self.url, name, password)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _store(self, config: TenantConfig) -> None:
@@ -202,10 +246,17 @@ class TenantAdmin:
         path = _text(self.redis.config_get("aclfile").get("aclfile") or "")
         return path or None
 
+    def published_cache_addresses(self) -> list[str]:
+        """The separate cache instances the workers publish (no credentials), sorted."""
+        addresses = set()
+        for model in self._models():
+            raw = self.redis.get(self.keys.model_info(model))
+            if raw and ModelInfo.from_bytes(raw).cache_address:
+                addresses.add(ModelInfo.from_bytes(raw).cache_address)
+        return sorted(addresses)
+
     def _save_acl(self) -> None:
-        for client in (self.redis, self.cache_redis):
-            if client is None:
-                continue
+        for client, _ in self._instances:
             try:  # one round on every node: ACL SAVE refuses where no aclfile is configured
                 client.execute_command("ACL", "SAVE", **_every_node(client))
             except ResponseError as exc:

@@ -8,9 +8,12 @@
     lmq tenant worker-user [--name lmq-worker]                  prints the workers' URL
 
 ``--redis-url`` carries the operator's admin credentials (default: ``$LMQ_REDIS_URL``, else
-``$REDIS_URL``); the URLs printed carry the same host and port with the new user's. With a
-separate cache instance, ``--cache-url`` (its admin URL) creates the same users there and
-prints the tenant's cache URL too (its ``LMQ_CACHE_URL``).
+``$REDIS_URL``, else 127.0.0.1:6379, said on stderr); the URL printed first carries the same
+host and port with the new user's, and is all the tenant's programs need. With a separate
+cache instance the same user is made there too, with the same password: at ``--cache-url``
+(its admin URL) if given, else at the address the workers publish in the registry, with the
+admin URL's credentials. Every change reaches every instance or none. The connection flags go
+before or after the action (``lmq tenant add acme --redis-url ...``).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any
 
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.redis_errors import redis_boundary
-from lmqueue.shared.settings import DEFAULT_REDIS_URL, configured_redis_url
+from lmqueue.shared.settings import same_instance, url_without_credentials, with_credentials_of
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 
+from .connection_url import admin_url
 from .tenant_admin import TenantAdmin
 
 __all__ = ["add_arguments", "run"]
@@ -59,15 +63,31 @@ def _limit_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         "pool (default: the tenant's own, private)")  # fmt: skip
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``lmq tenant`` subcommands and their flags."""
-    parser.add_argument("--redis-url", default=None, help="admin URL (default: $LMQ_REDIS_URL)")
+def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--redis-url``, ``--cache-url`` and ``--prefix``: accepted before the action (as
+    before) and after it (as on every other command); the later one wins."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--redis-url",
+        default=default(None),
+        help="admin URL (default: $LMQ_REDIS_URL, else $REDIS_URL)",
+    )
     parser.add_argument(
         "--cache-url",
-        default=None,
-        help="admin URL of a separate cache instance: users are made there too",
+        default=default(None),
+        help="admin URL of a separate cache instance (default: the address "
+        "the workers publish, with the --redis-url credentials)",
     )
-    parser.add_argument("--prefix", default="lmq", help="key prefix (default lmq)")
+    parser.add_argument("--prefix", default=default("lmq"), help="key prefix (default lmq)")
+    # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``lmq tenant`` subcommands and their flags."""
+    _connection_options(parser, defaults=True)
     actions = parser.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="create a tenant; prints the URL to give it")
     add.add_argument("name")
@@ -76,26 +96,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     change.add_argument("name")
     _limit_options(change, defaults=False)
     change.add_argument("--new-password", action="store_true", help="rotate; prints the new URL")
-    actions.add_parser("list", help="list tenants and their settings")
+    listing = actions.add_parser("list", help="list tenants and their settings")
     remove = actions.add_parser("remove", help="delete a tenant's user and settings")
     remove.add_argument("name")
     worker = actions.add_parser("worker-user", help="create or reset the workers' ACL user")
     worker.add_argument("--name", default=WORKER_USER)
+    for action in (add, change, listing, remove, worker):
+        _connection_options(action, defaults=False)
 
 
 def run(args: argparse.Namespace) -> int:
     """Carry out one ``lmq tenant`` action; 0 on success."""
-    url = args.redis_url or configured_redis_url() or DEFAULT_REDIS_URL
+    url = admin_url(args.redis_url, "lmq tenant")
     redis = sync_redis(url)
-    cache = sync_redis(args.cache_url) if args.cache_url else None
+    caches: list[tuple[Any, str]] = []
     try:
-        with redis_boundary(f"lmq tenant {args.action}"):
-            admin = TenantAdmin(redis, url, args.prefix, cache, args.cache_url)
+        with redis_boundary(f"lmq tenant {args.action}", url):
+            for cache_url in _cache_urls(redis, url, args):
+                caches.append((sync_redis(cache_url), cache_url))
+            admin = TenantAdmin(redis, url, args.prefix, caches=caches)
             return _act(admin, args)
     finally:
         redis.close()
-        if cache is not None:
+        for cache, _ in caches:
             cache.close()
+
+
+def _cache_urls(redis: Any, url: str, args: argparse.Namespace) -> list[str]:
+    """The deployment's other instances: ``--cache-url``, else the cache addresses the
+    workers publish, reached with the admin URL's credentials."""
+    if args.cache_url:
+        found = [args.cache_url]
+    else:
+        published = TenantAdmin(redis, url, args.prefix).published_cache_addresses()
+        found = [with_credentials_of(address, url) for address in published]
+    return [found_url for found_url in found if not same_instance(found_url, url)]
 
 
 def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
@@ -113,10 +148,14 @@ def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
         print(f"removed tenant {args.name}")
     else:
         print(admin.worker_user(args.name))
-    if admin.last_cache_url:
-        print(f"cache: {admin.last_cache_url}")
-    if args.action != "list" and admin.acl_file() is None:
-        print("note: Redis has no aclfile; these users last only until Redis restarts")
+    if args.action != "list":
+        for _, cache_url in admin.caches:
+            print(
+                f"note: the same user on the cache instance {url_without_credentials(cache_url)}"
+                " (clients find it in the registry: the URL above is all they need)"
+            )
+        if admin.acl_file() is None:
+            print("note: Redis has no aclfile; these users last only until Redis restarts")
     return 0
 
 

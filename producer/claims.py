@@ -54,6 +54,10 @@ class ClaimResolver:
         self._window = [0, 0]  # hits, misses
         self._paused_until = 0.0
 
+    def disable(self) -> None:
+        """Ask for no claim-checks from now on (this client cannot reach the cache)."""
+        self._paused_until = float("inf")
+
     @property
     def enabled(self) -> bool:
         """Whether new requests should ask for claim-checks."""

@@ -13,22 +13,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmqueue.shared.connections import connect_async_redis
 from lmqueue.shared.errors import UnknownModel
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.tokens import Token
-from lmqueue.shared.lm.validation import check_prompt, reject_adapter
+from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.lm.vocab import str_vocab_of
-from lmqueue.shared.redis_errors import REDIS_DOWN, redis_boundary
+from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN, redis_boundary
+from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
 from lmqueue.shared.settings import ClientSettings
 from lmqueue.shared.tenants import read_cache_namespace
 
+from .adapter_choice import AdapterChoice
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel
 from .sync_portal import SyncFacade
@@ -81,6 +83,7 @@ class QueueLM(SyncFacade, AsyncLM):
         )  # fmt: skip
         self.client_id = self.channel.client_id
         self.local_cache = OutputCache(settings.local_cache_size)
+        self.adapters = AdapterChoice(redis, settings.redis.keyspace(), info.name)
         self._refresh: asyncio.Task[None] | None = None
 
     # -- what the model is (from the workers' registry entry) --------------------------------------
@@ -101,6 +104,11 @@ class QueueLM(SyncFacade, AsyncLM):
         return self.info.revision
 
     @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter this client is bound to (None: the base model)."""
+        return self.adapters.bound
+
+    @property
     def closed(self) -> bool:
         """Whether `close` was called."""
         return self.channel.closed
@@ -113,40 +121,63 @@ class QueueLM(SyncFacade, AsyncLM):
         redis_url: str | None = None,
         *,
         settings: ClientSettings | None = None,
+        adapter: str | None = None,
+        cache_url: str | None = None,
         **overrides: Any,
     ) -> QueueLM:
         """Connect to `model`'s workers through the Redis at `redis_url`.
 
-        Waits up to ``settings.connect_timeout_s`` for a worker to publish the model.
+        `redis_url` is all a tenant needs (what ``lmq tenant add`` printed): the cache
+        instance, if separate, is found in the registry and reached with the same user.
+        `cache_url` overrides where the cache is. `overrides` are `ClientSettings` fields.
+        Waits up to ``settings.connect_timeout_s`` for a worker to publish the model. With
+        `adapter`, every call computes under that LoRA adapter unless it names another.
 
         Raises:
             UnknownModel: if no worker publishes `model` in that time.
+            UnknownAdapter: if `adapter` is not served (the error lists those that are).
+            Forbidden: if `adapter` is private to another tenant.
             Unavailable: if Redis cannot be reached in that time.
             Forbidden: if Redis refuses this user the registry.
+            AuthenticationFailed: at once, if Redis refuses the URL's user or password.
+            SettingsError: for an override that is no `ClientSettings` field.
         """
-        settings = ClientSettings.resolve(settings, redis_url, **overrides)
-        redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
-        cache_redis = redis
-        if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-            cache_redis = await connect_async_redis(
-                settings.redis.cache_url, settings.redis.connect_timeout_s
-            )
+        settings = ClientSettings.resolve(settings, redis_url, cache_url=cache_url, **overrides)
+        redis = await connect_queue(settings.redis)
+        roles = RedisRoles(redis, redis, settings.redis.url, separate=False)
         try:
-            with redis_boundary(f"connecting to {model!r}"):
+            with redis_boundary(f"connecting to {model!r}", settings.redis.url):
                 registry = ModelRegistry(redis, settings.redis.keyspace())
                 info = await _wait_for_model(registry, model, settings.connect_timeout_s)
                 run_id = await server_run_id(redis)
                 files = await registry.tokenizer_files(model)
                 vocab = await registry.byte_vocab(model)
                 namespace = await read_cache_namespace(redis, settings.redis.keyspace(), model)
+                roles = await connect_redis_roles(
+                    settings.redis, info.cache_address, cache_required=False, queue=redis
+                )
             tokenizer = await asyncio.to_thread(tokenizer_from_files, files)
+        except BaseException:
+            await roles.aclose()
+            raise
+        settings, cache_redis = _with_cache(settings, roles)
+        client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id, namespace)
+        if roles.cache is None:  # claim-checks it could not redeem would double the work
+            client.channel.claims.disable()
+        client._home_loop = asyncio.get_running_loop()
+        try:
+            await client._bind(adapter)
         except BaseException:
             await _close_all(redis, cache_redis)
             raise
-        client = cls(info, tokenizer, vocab, settings, redis, cache_redis, run_id, namespace)
-        client._home_loop = asyncio.get_running_loop()
         client.channel.start()
         return client
+
+    async def _bind(self, adapter: str | None) -> None:
+        """Read the model's adapter records; bind the client to `adapter` (checked)."""
+        with redis_boundary(f"reading the adapters of {self.model!r}"):
+            self.channel.set_adapters(await self.adapters.refresh())
+        self.adapters.bound = await self.adapters.resolve(adapter)
 
     async def close(self) -> None:
         """Stop the client; pending requests fail with `Cancelled`."""
@@ -171,25 +202,28 @@ class QueueLM(SyncFacade, AsyncLM):
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Log-probabilities of the next token after `token_ids` (float32, CPU)."""
-        found, token_bytes = self._lookup(token_ids, lora_name)
+        """Log-probabilities of the next token after `token_ids` (float32, CPU).
+
+        `lora_name` names a LoRA adapter served for the model (default: the client's own).
+        """
+        found, key = await self._lookup(token_ids, lora_name)
         if found is not None:
             return as_tensor(found)
-        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        vector = await self._ask(key)
         tensor = to_float32_tensor(vector)
-        self.local_cache[token_bytes] = tensor
+        self.local_cache[key] = tensor
         return tensor
 
     async def next_token_logprobs_numpy(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> np.ndarray:
         """`next_token_logprobs` as a float32 numpy array: a program on numpy needs no torch."""
-        found, token_bytes = self._lookup(token_ids, lora_name)
+        found, key = await self._lookup(token_ids, lora_name)
         if found is not None:
             return as_array(found)
-        vector = await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        vector = await self._ask(key)
         array = to_float32_array(vector)
-        self.local_cache[token_bytes] = array
+        self.local_cache[key] = array
         return array
 
     async def batch_next_token_logprobs_numpy(
@@ -201,14 +235,26 @@ class QueueLM(SyncFacade, AsyncLM):
         )
         return np.stack(rows) if rows else np.empty((0, self.vector_size), np.float32)
 
-    def _lookup(self, token_ids: Sequence[int], lora_name: str | None) -> tuple[Any, bytes]:
-        """Validate the prompt; its locally cached result (tensor or array) or None, its key."""
-        reject_adapter(lora_name)
+    async def _lookup(
+        self, token_ids: Sequence[int], lora_name: str | None
+    ) -> tuple[Any, tuple[str | None, bytes]]:
+        """Validate the prompt and adapter; the locally cached result (tensor, array or None)
+        and its key: the adapter and the prompt's bytes."""
         ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
-        token_bytes = ids.astype("<i4").tobytes()
-        if token_bytes in self.local_cache:  # a miss through get() raises and catches KeyError
-            return self.local_cache[token_bytes], token_bytes
-        return None, token_bytes
+        key = (await self.adapters.resolve(lora_name), ids.astype("<i4").tobytes())
+        if key in self.local_cache:  # a miss through get() raises and catches KeyError
+            return self.local_cache[key], key
+        return None, key
+
+    async def _ask(self, key: tuple[str | None, bytes]) -> np.ndarray:
+        """The raw vector of a log-probabilities request: prompt bytes under an adapter."""
+        adapter, token_bytes = key
+        if adapter is not None:
+            self.channel.set_adapters(self.adapters.records)  # the key needs its revision
+            return await self.request(
+                token_bytes, "logprobs", self.settings.wire_dtype, adapter=adapter
+            )
+        return await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
 
     def clear_cache(self) -> None:
         """Forget locally cached results (the shared cache is left alone)."""
@@ -249,12 +295,24 @@ class QueueLM(SyncFacade, AsyncLM):
         self.info = info
 
 
+def _with_cache(settings: ClientSettings, roles: RedisRoles) -> tuple[ClientSettings, Any]:
+    """The settings and cache client the channel runs with: the cache role as connected, or
+    (where it could not be used) none, the queue standing in and shared lookups off."""
+    if roles.cache is None:
+        redis_settings = replace(settings.redis, cache_url=None)
+        return replace(settings, redis=redis_settings, use_shared_cache=False), roles.queue
+    redis_settings = replace(settings.redis, cache_url=roles.cache_url if roles.separate else None)
+    return replace(settings, redis=redis_settings), roles.cache
+
+
 async def _wait_for_model(registry: ModelRegistry, model: str, timeout_s: float) -> ModelInfo:
     """The model's info, waiting up to `timeout_s` for a worker to publish it or Redis to answer."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return await registry.info(model)
+        except REDIS_AUTH:
+            raise  # a wrong password stays wrong: no waiting
         except _NOT_YET as exc:
             if time.monotonic() >= deadline:
                 raise exc

@@ -24,10 +24,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from lmqueue.shared.adapters import validate_adapter_name
 from lmqueue.shared.connections import async_redis, connect_async_redis
 from lmqueue.shared.errors import BadRequest, InvalidName, UnknownExperiment
+from lmqueue.shared.experiment_kinds import BUILTIN_KIND_SPECS, check_params, decode_catalog
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.registry import ModelRegistry
 from lmqueue.shared.settings import RedisSettings
 
 __all__ = [
@@ -165,6 +168,8 @@ class Experiments:
         self.tenant = keyspace.tenant
         #: Set by `connect`: on first use, ask the server whether it is a cluster node.
         self._url = url
+        #: Named (password masked) in errors.
+        self.url = url
         self._connect_timeout_s = connect_timeout_s
         self._connecting = asyncio.Lock()
 
@@ -200,6 +205,10 @@ class Experiments:
             plain, self.redis, self._url = self.redis, client, None
             await plain.aclose()
 
+    def _boundary(self, what: str) -> Any:
+        """`redis_boundary` naming this client's URL."""
+        return redis_boundary(what, self.url)
+
     async def close(self) -> None:
         """Close the connection pool."""
         await self.redis.aclose()
@@ -219,6 +228,7 @@ class Experiments:
         model: str = "",
         experiment_id: str | None = None,
         start_after_s: float | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Submit an experiment; return its id. An id submitted before is not submitted again.
 
@@ -227,15 +237,20 @@ class Experiments:
             params: the kind's JSON parameters.
             model: the model the experiment calls ("" for kinds that need none).
             start_after_s: an epoch time (seconds) before which it does not start.
+            adapter: the LoRA adapter of `model` every call uses (the ``adapter`` parameter,
+                which every model kind takes; None: the base model).
         """
+        if adapter is not None:
+            params = {**(params or {}), "adapter": validate_adapter_name(adapter)}
         if not _KIND.match(kind):
             raise BadRequest(f"invalid kind {kind!r}")
         experiment_id = validate_experiment_id(experiment_id or new_experiment_id(kind))
         record = self.keys.experiment_record(experiment_id)
         now_ms = int(time.time() * 1000)
         encoded = json.dumps(dict(params or {}), separators=(",", ":"))
-        with redis_boundary(f"submitting experiment {experiment_id!r}"):
+        with self._boundary(f"submitting experiment {experiment_id!r}"):
             await self._connected()
+            await self.check(kind, params or {}, model)
             if not await self.redis.hsetnx(record, "submitted_ms", now_ms):
                 return experiment_id  # the same id runs once
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -254,6 +269,31 @@ class Experiments:
                 await pipe.execute()
         return experiment_id
 
+    async def check(self, kind: str, params: Mapping[str, Any], model: str = "") -> None:
+        """Refuse what cannot run: a kind no scheduler runs, parameters it does not take (by
+        name and type), a model no worker publishes.
+
+        Raises:
+            BadRequest: naming the kind or parameter.
+            UnknownModel: naming the models served.
+        """
+        raw = await self.redis.get(self.keys.experiment_kinds())
+        catalog = decode_catalog(raw) if raw else BUILTIN_KIND_SPECS
+        spec = catalog.get(kind)
+        if spec is None:
+            known = ", ".join(sorted(catalog))
+            where = "the schedulers run" if raw else "known before any scheduler started"
+            raise BadRequest(
+                f"unknown experiment kind {kind!r}; kinds {where}: {known}",
+                remedy="pick one of those, or ask the operator to register it (lmq scheduler "
+                "--kind NAME=module:function)",
+            )
+        check_params(kind, spec, params)
+        if spec.needs_model and not model:
+            raise BadRequest(f"kind {kind!r} calls a model: give one (--model NAME)")
+        if model:
+            await ModelRegistry(self.redis, self.keys).info(model)  # UnknownModel
+
     async def status(self, experiment_id: str) -> ExperimentStatus:
         """The experiment's status, progress, rate and error.
 
@@ -261,7 +301,7 @@ class Experiments:
             UnknownExperiment: if this tenant has no experiment of that id.
         """
         validate_experiment_id(experiment_id)
-        with redis_boundary(f"reading experiment {experiment_id!r}"):
+        with self._boundary(f"reading experiment {experiment_id!r}"):
             await self._connected()
             raw = await self.redis.hgetall(self.keys.experiment_record(experiment_id))
         if not raw:
@@ -272,7 +312,7 @@ class Experiments:
 
     async def list(self) -> builtins.list[ExperimentStatus]:
         """Every experiment of this tenant, oldest first."""
-        with redis_boundary("listing experiments"):
+        with self._boundary("listing experiments"):
             await self._connected()
             ids = await self.redis.zrange(self.keys.experiment_index(), 0, -1)
         statuses = []
@@ -292,14 +332,21 @@ class Experiments:
         status = await self.status(experiment_id)  # UnknownExperiment, Forbidden
         if status.finished:
             return status
-        with redis_boundary(f"cancelling experiment {experiment_id!r}"):
+        with self._boundary(f"cancelling experiment {experiment_id!r}"):
             await self.redis.hset(record, "cancel_requested", "1")
+            if status.status == "queued":
+                # not started (or deferred): it never will (the scheduler checks the request
+                # before starting and while running), so it reads cancelled at once
+                now_ms = int(time.time() * 1000)
+                await self.redis.hset(
+                    record, mapping={"status": "cancelled", "finished_ms": now_ms, "waiting": ""}
+                )
         return await self.status(experiment_id)
 
     async def results(self, experiment_id: str, start: int = 0) -> builtins.list[dict[str, Any]]:
         """The result rows written so far, from row `start` on."""
         await self.status(experiment_id)
-        with redis_boundary(f"reading results of {experiment_id!r}"):
+        with self._boundary(f"reading results of {experiment_id!r}"):
             rows = await self.redis.lrange(self.keys.experiment_results(experiment_id), start, -1)
         return [json.loads(row) for row in rows]
 

@@ -24,12 +24,12 @@ handed out, instead of being copied five times by redis-py.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from lmqueue.shared.backoff import Backoff
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import MalformedMessage, Unavailable
 from lmqueue.shared.redis_errors import REDIS_DOWN
@@ -129,28 +129,23 @@ class ReplyReader:
 
     async def run(self) -> None:
         """Read forever (cancel to stop)."""
-        backoff_s = 0.05
-        broken = False
+        backoff = Backoff()
         while True:
             try:
                 entries = await bounded(
                     self._read(), _BLOCK_MS / 1000 + self.stall_timeout_s, "reply stream read"
                 )
             except REDIS_DOWN as exc:
-                if not broken:
+                if not backoff.failing:
                     logger.warning("reply stream read failed (%s); reconnecting", exc)
-                broken = True
                 self._next_check_s = 0.0  # who answers next may be a new server
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.wait()
                 continue
             except Exception:  # never let the only reader die; deadlines bound the damage
                 logger.exception("reading replies failed; retrying")
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.wait()
                 continue
-            if broken:
-                broken, backoff_s = False, 0.05
+            if backoff.reset():
                 self.reconnects += 1
                 logger.info("reply stream reconnected")
             claimed = self._settle(entries)

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from lmqueue.shared.adapters import AdapterRecord
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded
 from lmqueue.shared.partitions import Partitioning, stream_partitions
@@ -124,6 +126,11 @@ class RequestChannel:
             )  # fmt: skip
             for p in stream_partitions(info.partitions)
         ]
+
+    def set_adapters(self, records: dict[str, AdapterRecord]) -> None:
+        """The model's adapter records, for the cache keys of adapters' rows."""
+        if self.submitter.cache is not None:
+            self.submitter.cache.adapters = records
 
     def adopt(self, info: ModelInfo) -> None:
         """Send by the model's info as re-published (a new backlog bound or partitioning)."""
@@ -227,7 +234,8 @@ class RequestChannel:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: requests sent, shared-cache hits, replies read, claim-checks, reconnects."""
+        """Counters: requests sent, shared-cache hits, replies read, claim-checks, reconnects,
+        rebuilds of a Redis Cluster client that had lost every node (`shared.cluster_client`)."""
         return {
             "sent": self.submitter.sent,
             "cache_hits": self.submitter.cache_hits,
@@ -238,4 +246,10 @@ class RequestChannel:
             "reconnects": self.reader.reconnects,
             "server_restarts": self.reader.restarts_seen,
             "inflight": len(self.inflight),
+            **self._cluster_stats(),
         }
+
+    def _cluster_stats(self) -> dict[str, int]:
+        """Rebuilds of the cluster clients (queue and cache roles) and whether one runs now."""
+        rebuilds, rebuilding = cluster_rebuilds(self.redis, self.cache_redis)
+        return {"cluster_rebuilds": rebuilds, "cluster_rebuilding": int(rebuilding)}

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
 
+from lmqueue.shared.backoff import Backoff
 from lmqueue.shared.connections import bounded
 from lmqueue.shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
 from lmqueue.shared.partitions import Partitioning
@@ -72,7 +73,7 @@ class Submitter:
 
     async def run(self) -> None:
         """Drain the queue forever (cancel to stop)."""
-        backoff_s = 0.05
+        backoff = Backoff()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -82,12 +83,11 @@ class Submitter:
                 continue
             try:
                 await bounded(self._send(batch), self.stall_timeout_s, "submitting requests")
-                backoff_s = 0.05
+                backoff.reset()
             except REDIS_DOWN as exc:
                 logger.warning("submitting %d requests failed (%s); retrying", len(batch), exc)
                 self._queue[:0] = batch
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.wait()
                 self._wake.set()
             except Exception as exc:  # refused or a bug: fail these requests, keep the task
                 self._refuse(batch, exc)
@@ -120,7 +120,7 @@ class Submitter:
             return
         parts: dict[int, list[Pending]] = {}
         for pending in misses:
-            partition = self.partitioning.of(pending.request.token_bytes)
+            partition = self.partitioning.of(pending.request.token_bytes, pending.request.adapter)
             parts.setdefault(partition, []).append(pending)
         if len(parts) == 1:
             ((partition, part),) = parts.items()
@@ -154,7 +154,9 @@ class Submitter:
         if self.cache is None or not lookups:
             return batch
         cache = self.cache
-        keys = [cache.key(p.request.dtype, p.request.token_bytes) for p in lookups]
+        keys = [
+            cache.key(p.request.dtype, p.request.token_bytes, p.request.adapter) for p in lookups
+        ]
         values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):

@@ -12,7 +12,7 @@ serialization arq's msgpack job serializer
 """
 
 from .acl import experiment_acl_rules
+from .arq_worker import build_worker, serve
 from .settings import CronEntry, SchedulerSettings
-from .worker import build_worker, serve
 
 __all__ = ["SchedulerSettings", "CronEntry", "build_worker", "serve", "experiment_acl_rules"]

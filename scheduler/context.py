@@ -15,11 +15,20 @@ from typing import Any
 
 from lmqueue.shared.keys import KeySpace
 
+from .outage import retrying
+
 __all__ = ["ExperimentContext", "LostOwnership"]
 
 _CHECKPOINT = """
 if redis.call('HGET', KEYS[1], 'run_token') ~= ARGV[1] then return 0 end
-for i = 7, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+if #ARGV > 7 then
+  local have, before = redis.call('LLEN', KEYS[2]), tonumber(ARGV[7])
+  if have == before then
+    for i = 8, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+  elseif have ~= before + #ARGV - 7 then
+    return -1
+  end
+end
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'state', ARGV[2]) end
 redis.call('HSET', KEYS[1], 'done', ARGV[3], 'total', ARGV[4], 'rate', ARGV[5],
            'updated_ms', ARGV[6])
@@ -93,12 +102,18 @@ class ExperimentContext:
         encoded_state = json.dumps(dict(state), separators=(",", ":")) if state is not None else ""
         args: list[Any] = [
             self.run_token, encoded_state, self.done, self.total, f"{self.rate:.6g}",
-            int(time.time() * 1000),
+            int(time.time() * 1000), self.rows_written,
             *(json.dumps(dict(row), separators=(",", ":")) for row in rows),
         ]  # fmt: skip
         keys = [self.keys.experiment_record(self.id), self.keys.experiment_results(self.id)]
-        if not await self._script(keys=keys, args=args):
+        # retried while Redis is away; applied once (see scheduler.outage)
+        done = await retrying(lambda: self._script(keys=keys, args=args), f"checkpoint {self.id}")
+        if done == 0:
             raise LostOwnership(f"experiment {self.id!r} is owned by another run")
+        if done == -1:
+            raise LostOwnership(
+                f"experiment {self.id!r}: its results are not where this run left them"
+            )
         if state is not None:
             self.state = dict(state)
         self.rows_written += len(rows)

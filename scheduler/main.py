@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from lmqueue.shared.errors import SettingsError
-from lmqueue.shared.failures import report_failure
+from lmqueue.shared.failures import ArgumentParser, configure_logging, report_failure
 from lmqueue.shared.settings import configured_control_url, configured_redis_url
 
+from .arq_worker import serve
 from .settings import SchedulerSettings
-from .worker import serve
 
 __all__ = ["add_arguments", "run", "main", "settings_from_args"]
 
@@ -75,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
     level = str(args.log_level).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise SettingsError(f"--log-level {args.log_level!r}: expected DEBUG, INFO, WARNING, ...")
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(level, "%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(serve(settings_from_args(args)))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m lmqueue.scheduler``."""
-    parser = argparse.ArgumentParser(prog="lmq scheduler", description=__doc__)
+    parser = ArgumentParser(prog="lmq scheduler", description=__doc__)
     add_arguments(parser)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)

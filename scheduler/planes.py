@@ -23,8 +23,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from arq.connections import RedisSettings as ArqRedisSettings
 
-from lmqueue.shared.connections import connect_async_redis, is_cluster
+from lmqueue.shared.connections import is_cluster
 from lmqueue.shared.errors import SettingsError
+from lmqueue.shared.redis_roles import connect_queue
+from lmqueue.shared.settings import RedisSettings
 
 from .settings import SchedulerSettings
 
@@ -48,7 +50,8 @@ async def open_planes(settings: SchedulerSettings) -> AsyncIterator[Planes]:
         SettingsError: if the control plane would be a cluster (no control URL beside a
             cluster data URL, or a control URL naming a cluster node).
     """
-    data = await connect_async_redis(settings.redis_url)
+    # the login is checked at once: a wrong password is AuthenticationFailed, not retried
+    data = await connect_queue(RedisSettings(url=settings.redis_url))
     control = data
     try:
         if settings.control_url is None:
@@ -60,7 +63,7 @@ async def open_planes(settings: SchedulerSettings) -> AsyncIterator[Planes]:
                 )
             control_url = settings.redis_url
         else:
-            control = await connect_async_redis(settings.control_url)
+            control = await connect_queue(RedisSettings(url=settings.control_url))
             if is_cluster(control):
                 raise SettingsError(
                     f"--control-url {_where(settings.control_url)} is a Redis Cluster node: "

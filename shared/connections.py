@@ -22,11 +22,12 @@ threshold). Python 3.12+ does this itself.
 Redis Cluster is a deployment choice, not a flag: `connect_async_redis` and `sync_redis` ask the
 node named by the ordinary ``redis://``/``rediss://`` URL ``INFO cluster`` once, at connect time,
 and return a redis-py cluster client (``RedisCluster``: follows MOVED and ASK, refreshes the slot
-map after a failover) when it says ``cluster_enabled:1``, the plain client otherwise. Nothing
-wraps the plain client, so a single instance pays one round trip at connect and nothing per
-command. The asyncio cluster client's nodes use the vectored connection too; its pipelines
-split per node (``transaction=False`` only: callers that need atomicity use one
-hash slot and a Lua script, see `shared.keys`).
+map after a failover; asyncio: a `RecoveringCluster`, which also finds the cluster again when
+redis-py has lost every node, see `shared.cluster_client`) when it says ``cluster_enabled:1``,
+the plain client otherwise. Nothing wraps the plain client, so a single instance pays one round
+trip at connect and nothing per command. The asyncio cluster client's nodes use the vectored
+connection too; its pipelines split per node (``transaction=False`` only: callers that need
+atomicity use one hash slot and a Lua script, see `shared.keys`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ import redis.cluster as synccluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .cluster_client import RecoveringCluster
 
 __all__ = [
     "async_redis",
@@ -121,7 +124,7 @@ async def connect_async_redis(
         return plain
     await plain.aclose()
     options = _cluster_options(connect_timeout_s)
-    client = aiocluster.RedisCluster.from_url(url, **options)
+    client = RecoveringCluster.from_url(url, **options)
     if not url.startswith("rediss://"):
         # RedisCluster takes no connection class, but every node it discovers (now or after a
         # failover) is made from these arguments: vectored sends for the worker's pipelines

@@ -7,6 +7,7 @@ TimeoutError`).
 
     LMQueueError
     ├── SettingsError (ValueError)           a setting has a value that cannot be used
+    │   └── AdaptersUnsupported              the backend cannot serve LoRA adapters
     ├── BadRequest (ValueError)              the request itself is wrong; retrying will not help
     │   ├── InvalidName                      a model, tenant, worker or client name unfit for a key
     │   ├── EmptyPrompt
@@ -15,14 +16,17 @@ TimeoutError`).
     │   ├── OversizeRequest
     │   ├── UnknownNode
     │   ├── VocabularyMismatch
-    │   └── UnknownExperiment                no experiment of this tenant has that id
+    │   ├── UnknownExperiment                no experiment of this tenant has that id
+    │   └── UnknownAdapter (LookupError)     no adapter of that name is served to this tenant
     ├── MalformedMessage (ValueError)        bytes on the wire that do not decode to a message
     ├── UnknownModel (LookupError)           no worker ever published the model
     ├── ModelError (RuntimeError)            the backend failed while computing
     ├── DeadlineExceeded (TimeoutError)      the request's deadline passed before its result
     ├── Busy                                 admission control refused a new request
     │   └── QuotaExceeded                    the tenant is at one of its quotas
-    ├── Forbidden                            Redis refused an operation to this user (ACL)
+    ├── Forbidden                            Redis refused an operation to this user (ACL),
+    │   │                                    or the adapter named is another tenant's
+    │   └── AuthenticationFailed             wrong user or password (never retried)
     ├── DeadLettered                         the request failed on every delivery and was parked
     ├── Cancelled                            the request was withdrawn (client closed, reset)
     └── Unavailable (ConnectionError)        Redis or the workers cannot be reached
@@ -44,12 +48,15 @@ __all__ = [
     "UnknownNode",
     "VocabularyMismatch",
     "UnknownExperiment",
+    "UnknownAdapter",
+    "AdaptersUnsupported",
     "MalformedMessage",
     "UnknownModel",
     "ModelError",
     "DeadlineExceeded",
     "Busy",
     "Forbidden",
+    "AuthenticationFailed",
     "QuotaExceeded",
     "DeadLettered",
     "Cancelled",
@@ -111,6 +118,14 @@ class UnknownExperiment(BadRequest, LookupError):
     """Raised when the tenant has no experiment of the given id."""
 
 
+class UnknownAdapter(BadRequest, LookupError):
+    """Raised when a request names a LoRA adapter the model does not serve to this tenant."""
+
+
+class AdaptersUnsupported(SettingsError):
+    """Raised at a worker's start when its backend cannot serve the LoRA adapters it is given."""
+
+
 class MalformedMessage(LMQueueError, ValueError):
     """Raised when bytes read from a stream do not decode to a valid message."""
 
@@ -140,7 +155,15 @@ class QuotaExceeded(Busy):
 
 
 class Forbidden(LMQueueError):
-    """Raised when Redis refuses an operation to this client's user (an ACL rule: NOPERM)."""
+    """Raised when Redis refuses an operation to this client's user (an ACL rule: NOPERM), or
+    a request names a LoRA adapter private to another tenant."""
+
+
+class AuthenticationFailed(Forbidden):
+    """Raised when Redis rejects the URL's user or password (WRONGPASS, NOAUTH); not retried.
+
+    ``data["url"]`` is the URL with its password masked.
+    """
 
 
 class DeadLettered(LMQueueError):
@@ -168,12 +191,16 @@ _BY_NAME: dict[str, type[LMQueueError]] = {
         OversizeRequest,
         UnknownNode,
         VocabularyMismatch,
+        UnknownExperiment,
+        UnknownAdapter,
+        AdaptersUnsupported,
         MalformedMessage,
         UnknownModel,
         ModelError,
         DeadlineExceeded,
         Busy,
         Forbidden,
+        AuthenticationFailed,
         QuotaExceeded,
         DeadLettered,
         Cancelled,

@@ -10,6 +10,8 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:model:{<model>}:tokenizer                 the tokenizer's JSON (tokenizers library)
     lmq:model:{<model>}:vocab                     msgpack list of every token's bytes
     lmq:model:{<model>}:workers                   zset: worker name -> last heartbeat (ms)
+    lmq:model:{<model>}:adapters                  hash: LoRA adapter name -> msgpack record
+                                                  (shared/adapters.py)
     lmq:model:{<model>}:worker:<worker>           hash: one worker's stats for `lmq status`
                                                   (shared/worker_stats.py; expires)
     lmq:tenants                                   hash: tenant -> JSON config (operator writes)
@@ -23,6 +25,9 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:<tenant>:client:{<client>}:replies        one reply stream per client (expires)
     lmq:<ns>:cache:<model>:<rev>:<kind>:<digest>  one cached result vector; ns is the tenant
                                                   or a shared ``pool.<name>`` it opted into
+    lmq:<ns>:cache:<model>:<rev>~<adapter>@<arev>:<kind>:<digest>
+                                                  the same under a LoRA adapter (its revision);
+                                                  a private adapter's always in its tenant's ns
     lmq:<tenant>:exp:inbox                        experiment orders the scheduler reads
     lmq:<tenant>:exp:index                        zset: experiment id -> submission (ms)
     lmq:<tenant>:exp:{<tenant>:<id>}:record       hash: one experiment's kind, status, progress
@@ -149,6 +154,10 @@ class KeySpace:
         """The zset of live workers of the model, scored by last heartbeat (ms)."""
         return f"{self.prefix}:model:{{{model}}}:workers"
 
+    def model_adapters(self, model: str) -> str:
+        """The hash of the model's LoRA adapter records (`shared.adapters`)."""
+        return f"{self.prefix}:model:{{{model}}}:adapters"
+
     def worker_stats(self, model: str, worker: str) -> str:
         """The hash of one worker's recent figures (what it serves, batches/s), for operators."""
         return f"{self.prefix}:model:{{{model}}}:worker:{worker}"
@@ -170,11 +179,25 @@ class KeySpace:
         """The reply stream of one client of the tenant."""
         return f"{self.prefix}:{self.tenant}:client:{{{client_id}}}:replies"
 
-    def cache_entry(self, model: str, revision: str, kind: str, token_bytes: bytes) -> str:
-        """The shared-cache key of one result: model, revision, result kind, exact tokens."""
+    def cache_entry(
+        self,
+        model: str,
+        revision: str,
+        kind: str,
+        token_bytes: bytes,
+        adapter_tag: str = "",
+        own_namespace: bool = False,
+    ) -> str:
+        """The shared-cache key of one result: model, revision, adapter, result kind, tokens.
+
+        `adapter_tag` names a LoRA adapter and its revision (``name@rev``); `own_namespace`
+        keeps the key in the tenant's own namespace even if it shares a pool (a private
+        adapter's rows are never pooled).
+        """
         digest = token_digest(token_bytes)
-        namespace = self.cache_namespace or self.tenant
-        return f"{self.prefix}:{namespace}:cache:{model}:{revision}:{kind}:{digest}"
+        namespace = self.tenant if own_namespace else self.cache_namespace or self.tenant
+        weights = f"{revision}~{adapter_tag}" if adapter_tag else revision
+        return f"{self.prefix}:{namespace}:cache:{model}:{weights}:{kind}:{digest}"
 
     def quota(self, model: str, partition: int | None = None) -> str:
         """The tenant's limits for the model (hash), read by its admission script.
@@ -193,6 +216,10 @@ class KeySpace:
         return f"{self.prefix}:{self.tenant}:model:{_stream_tag(model, partition)}:rate"
 
     # -- experiments (the scheduler) ---------------------------------------------------------
+    def experiment_kinds(self) -> str:
+        """The kinds the schedulers run and their parameters (JSON), in the registry."""
+        return f"{self.prefix}:experiment-kinds"
+
     def experiment_inbox(self) -> str:
         """The stream of experiment orders (submissions) the scheduler reads."""
         return f"{self.prefix}:{self.tenant}:exp:inbox"
@@ -244,7 +271,10 @@ class KeyPatterns:
     def registry(self) -> list[str]:
         """What clients read to use a model: the model set, info, tokenizer, vocabulary."""
         model = f"{self.prefix}:model:*"
-        return [f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab"]
+        return [
+            f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab",
+            f"{model}:adapters", f"{self.prefix}:experiment-kinds",
+        ]  # fmt: skip
 
     def registry_all(self) -> list[str]:
         """Every registry key, the workers' live sets included (what workers write)."""

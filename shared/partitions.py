@@ -15,6 +15,10 @@ would then hop until they reach the block, so a client also remembers the partit
 prompts it sent recently (`LineageMemory`) and sends a prompt whose recent ancestor (up to
 `MAX_STEP_TOKENS` tokens shorter) it sent to the ancestor's partition.
 
+A LoRA adapter's requests are hashed with the adapter's name as a salt: a worker's KV of a
+prompt under one adapter is of no use to the same prompt under another, so lineages of
+different adapters are spread independently.
+
 Owning partitions (workers; `assign_partitions`): rendezvous hashing with bounded load over
 the live workers' names: each partition goes to its highest-scoring worker that holds fewer
 than ceil(N / W) partitions. Every worker computes the same table from the same live set, so
@@ -35,6 +39,7 @@ __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "MAX_STEP_TOKENS",
     "LineageMemory",
+    "adapter_salt",
     "Partitioning",
     "assign_partitions",
     "owned_partitions",
@@ -64,21 +69,21 @@ class LineageMemory:
     def __len__(self) -> int:
         return len(self._partitions)
 
-    def ancestor(self, token_bytes: bytes) -> int | None:
+    def ancestor(self, token_bytes: bytes, salt: bytes = b"") -> int | None:
         """The partition of the prompt itself if sent before (a resubmission), else of its
-        longest remembered prefix up to MAX_STEP_TOKENS shorter."""
+        longest remembered prefix up to MAX_STEP_TOKENS shorter (under the same `salt`)."""
         length = len(token_bytes) // _TOKEN_BYTES
         for step in range(0, min(MAX_STEP_TOKENS, length - 1) + 1):
-            key = _digest(token_bytes[: (length - step) * _TOKEN_BYTES])
+            key = _digest(salt + token_bytes[: (length - step) * _TOKEN_BYTES])
             partition = self._partitions.get(key)
             if partition is not None:
                 self._partitions.move_to_end(key)
                 return partition
         return None
 
-    def remember(self, token_bytes: bytes, partition: int) -> None:
-        """Remember that `token_bytes` went to `partition`."""
-        key = _digest(token_bytes)
+    def remember(self, token_bytes: bytes, partition: int, salt: bytes = b"") -> None:
+        """Remember that `token_bytes` (under `salt`) went to `partition`."""
+        key = _digest(salt + token_bytes)
         self._partitions[key] = partition
         self._partitions.move_to_end(key)
         while len(self._partitions) > self.capacity:
@@ -100,15 +105,26 @@ class Partitioning:
         self.block_tokens = block_tokens
         self.memory = LineageMemory() if count > 1 else None
 
-    def of(self, token_bytes: bytes) -> int:
-        """The partition of a prompt given as little-endian int32 token bytes."""
+    def of(self, token_bytes: bytes, adapter: str | None = None) -> int:
+        """The partition of a prompt given as little-endian int32 token bytes (and the LoRA
+        adapter it is asked under, None for the base model)."""
         if self.memory is None:
             return 0
-        partition = self.memory.ancestor(token_bytes)
+        salt = adapter_salt(adapter)
+        partition = self.memory.ancestor(token_bytes, salt)
         if partition is None:
-            partition = block_partition(token_bytes, self.count, self.block_tokens)
-        self.memory.remember(token_bytes, partition)
+            partition = block_partition(token_bytes, self.count, self.block_tokens, salt)
+        self.memory.remember(token_bytes, partition, salt)
         return partition
+
+
+def adapter_salt(adapter: str | None) -> bytes:
+    """What prefixes a prompt's bytes when hashed under `adapter` (nothing for the base).
+
+    A collision could only move a lineage to another partition (a preference), never change a
+    result: results are keyed on the adapter everywhere else.
+    """
+    return b"" if adapter is None else adapter.encode() + b"\0"
 
 
 def stream_partitions(count: int) -> list[int | None]:
@@ -117,9 +133,9 @@ def stream_partitions(count: int) -> list[int | None]:
     return [None] if count <= 1 else list(range(count))
 
 
-def block_partition(token_bytes: bytes, count: int, block_tokens: int) -> int:
+def block_partition(token_bytes: bytes, count: int, block_tokens: int, salt: bytes = b"") -> int:
     """The partition of the hash of the leading `block_tokens` tokens (stateless)."""
-    block = token_bytes[: block_tokens * _TOKEN_BYTES]
+    block = salt + token_bytes[: block_tokens * _TOKEN_BYTES]
     return int.from_bytes(_digest(block)[:8], "little") % count
 
 

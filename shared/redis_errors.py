@@ -8,10 +8,13 @@ through `redis_boundary`, which turns what Redis or the network said into the er
     connection refused, reset, timed out, LOADING, READONLY, ...  -> Unavailable
     OOM command not allowed, BUSY (a script runs too long)         -> Busy
     NOPERM (an ACL rule)                                           -> Forbidden
+    WRONGPASS, NOAUTH (wrong user or password)                     -> AuthenticationFailed
     any other refusal                                              -> Unavailable
 
 Loops that retry while Redis is away (the submitter, the reply reader, the worker) catch
-`REDIS_DOWN`, the single definition of "Redis cannot be reached right now".
+`REDIS_DOWN`, the single definition of "Redis cannot be reached right now"; a wrong user or
+password (`REDIS_AUTH`, a subclass of redis-py's ConnectionError) is never retried. Every
+message is passed through `mask_secrets`: no password reaches a caller.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 from collections.abc import Iterator
 
 from redis.exceptions import (
+    AuthenticationError,
     ClusterError,
     NoPermissionError,
     RedisError,
@@ -30,9 +34,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import Busy, Forbidden, LMQueueError, Unavailable
+from .errors import AuthenticationFailed, Busy, Forbidden, LMQueueError, Unavailable
+from .settings import mask_secrets, mask_url
 
-__all__ = ["REDIS_DOWN", "REDIS_TROUBLE", "redis_boundary", "translate"]
+__all__ = ["REDIS_AUTH", "REDIS_DOWN", "REDIS_TROUBLE", "redis_boundary", "translate"]
+
+#: A wrong user or password: retrying cannot help (redis-py raises it as a ConnectionError).
+REDIS_AUTH: tuple[type[BaseException], ...] = (AuthenticationError,)
 
 #: What "Redis cannot be reached right now" looks like: retry on a new connection, later.
 #: (redis-py's BusyLoadingError, a server still loading its data, is a ConnectionError.) On a
@@ -59,22 +67,29 @@ _TRANSLATED: tuple[type[BaseException], ...] = (RedisError, *REDIS_DOWN)
 _TRANSIENT_REFUSALS = ("LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
 
 
-def translate(error: BaseException, what: str) -> LMQueueError:
-    """The lmqueue error for a redis-py or socket `error` raised while doing `what`."""
+def translate(error: BaseException, what: str, url: str | None = None) -> LMQueueError:
+    """The lmqueue error for a redis-py or socket `error` raised while doing `what` (on the
+    Redis at `url`, named with its password masked where given)."""
     if isinstance(error, LMQueueError):
         return error
-    text = str(error)
+    what, text = mask_secrets(what), mask_secrets(str(error))
+    if isinstance(error, AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH")):
+        where = f" for {mask_url(url)}" if url else ""
+        return AuthenticationFailed(
+            f"{what}: wrong user or password{where} ({text})", url=mask_url(url or "")
+        )
     if isinstance(error, NoPermissionError) or text.startswith("NOPERM"):
         return Forbidden(f"{what}: Redis refused this user: {text}")
     if isinstance(error, ResponseError) and text.startswith(("OOM", "BUSY ")):
         return Busy(f"{what}: Redis is overloaded: {text}")
     if isinstance(error, ResponseError) and not text.startswith(_TRANSIENT_REFUSALS):
         return Unavailable(f"{what}: Redis refused: {text}")
-    return Unavailable(f"{what}: Redis cannot be reached ({type(error).__name__}: {text})")
+    where = f" at {mask_url(url)}" if url else ""
+    return Unavailable(f"{what}: Redis{where} cannot be reached ({type(error).__name__}: {text})")
 
 
 @contextlib.contextmanager
-def redis_boundary(what: str) -> Iterator[None]:
+def redis_boundary(what: str, url: str | None = None) -> Iterator[None]:
     """Re-raise any redis-py or socket error inside the block as `translate` says.
 
     Works around ``await`` too: ``with redis_boundary("connecting"): await ...``.
@@ -84,4 +99,4 @@ def redis_boundary(what: str) -> Iterator[None]:
     except LMQueueError:
         raise
     except _TRANSLATED as exc:
-        raise translate(exc, what) from exc
+        raise translate(exc, what, url) from exc

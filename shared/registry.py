@@ -52,6 +52,9 @@ class ModelInfo:
     partitions: int = 1
     partition_block_tokens: int = DEFAULT_BLOCK_TOKENS
     wire_version: int = WIRE_VERSION
+    #: The shared cache's URL without credentials when it is a separate instance (empty: the
+    #: queue's own). Clients connect there with their own user: one URL per tenant suffices.
+    cache_address: str = ""
 
     def to_bytes(self) -> bytes:
         """Encode as msgpack."""

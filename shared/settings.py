@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import types
 import typing
@@ -22,8 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
+from .adapters import ADAPTER_NAME
 from .errors import InvalidName, SettingsError
 from .keys import KeySpace, validate_name
 from .partitions import DEFAULT_BLOCK_TOKENS
@@ -39,8 +41,15 @@ __all__ = [
     "DEFAULT_MAX_WAIT_MS",
     "configured_redis_url",
     "configured_control_url",
+    "redis_url_source",
+    "configured_metrics_host",
     "model_cache_dir",
     "url_user",
+    "mask_url",
+    "mask_secrets",
+    "url_without_credentials",
+    "with_credentials_of",
+    "same_instance",
 ]
 
 T = TypeVar("T")
@@ -62,6 +71,25 @@ def configured_redis_url(environ: Mapping[str, str] | None = None) -> str | None
     return environ.get("LMQ_REDIS_URL") or environ.get("REDIS_URL") or None
 
 
+def redis_url_source(flag: str | None, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The queue URL a command uses and where it came from: the flag, ``LMQ_REDIS_URL``,
+    ``REDIS_URL``, or the default (which a command says it fell back to)."""
+    environ = os.environ if environ is None else environ
+    if flag:
+        return flag, "--redis-url"
+    for key in ("LMQ_REDIS_URL", "REDIS_URL"):
+        if environ.get(key):
+            return environ[key], key
+    return DEFAULT_REDIS_URL, "default"
+
+
+def configured_metrics_host(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The address probes and metrics listen on: the flag, ``LMQ_METRICS_HOST``, else
+    loopback (metrics name tenants and models; containers set 0.0.0.0)."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get("LMQ_METRICS_HOST") or "127.0.0.1"
+
+
 def configured_control_url(environ: Mapping[str, str] | None = None) -> str | None:
     """The scheduler's control-plane URL set in the environment (``LMQ_CONTROL_URL``), else None."""
     environ = os.environ if environ is None else environ
@@ -72,6 +100,49 @@ def url_user(url: str) -> str | None:
     """The ACL user name in a Redis URL (``redis://alice:pw@host/0`` -> alice), else None."""
     username = urlsplit(url).username
     return unquote(username) if username else None
+
+
+#: The password part of a URL's userinfo: ``scheme://user:PASSWORD@`` (user may be empty).
+_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:@/\s]*):((?:(?!://)[^\s])*)@", re.IGNORECASE)
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with the password of every URL in it replaced by ``***``.
+
+    The last line of defence for anything printed or logged: usage errors, exception
+    messages, log lines. ``redis://alice:s3cret@host/0`` -> ``redis://alice:***@host/0``.
+    """
+    return _PASSWORD.sub(r"\1:***@", text)
+
+
+def mask_url(url: str) -> str:
+    """`url` with its password masked, for messages and status output."""
+    return mask_secrets(url)
+
+
+def url_without_credentials(url: str) -> str:
+    """`url` with no user or password: what may be published for anyone to read."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def same_instance(url: str, other: str) -> bool:
+    """Whether two URLs name the same server (scheme, host and port; users may differ)."""
+    a, b = urlsplit(url), urlsplit(other)
+    return (a.scheme, a.hostname, a.port or 6379, a.path if a.scheme == "unix" else "") == (
+        b.scheme, b.hostname, b.port or 6379, b.path if b.scheme == "unix" else ""
+    )  # fmt: skip
+
+
+def with_credentials_of(url: str, source_url: str) -> str:
+    """`url` carrying `source_url`'s user and password (a tenant's identity on another
+    instance of the same deployment: `lmq tenant add` makes the same user on each)."""
+    source, parts = urlsplit(source_url), urlsplit(url)
+    userinfo = source.netloc.rpartition("@")[0]
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"{userinfo}@{host}" if userinfo else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 def model_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -105,7 +176,7 @@ class RedisSettings:
             value = getattr(self, name)
             if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
                 raise SettingsError(
-                    f"{name}={value!r}: expected a redis://, rediss:// or unix:// URL"
+                    f"{name}={mask_url(value)!r}: expected a redis://, rediss:// or unix:// URL"
                 )
         try:
             self.keyspace()
@@ -131,6 +202,17 @@ class RedisSettings:
     def effective_cache_url(self) -> str:
         """The URL of the cache role: `cache_url`, or the queue's own."""
         return self.cache_url or self.url
+
+    @property
+    def separate_cache(self) -> bool:
+        """Whether the cache role is another instance than the queue's."""
+        return self.cache_url is not None and not same_instance(self.cache_url, self.url)
+
+    @property
+    def published_cache_address(self) -> str:
+        """What workers publish in the registry for clients to find the cache: its URL
+        without credentials (each client brings its own user), empty with no separate one."""
+        return url_without_credentials(self.cache_url or "") if self.separate_cache else ""
 
     def keyspace(self) -> KeySpace:
         """The key layout for this prefix and tenant."""
@@ -183,10 +265,18 @@ class WorkerSettings:
     log_level: str = "INFO"
     #: Port of /metrics, /healthz and /readyz (0: no server).
     metrics_port: int = 0
+    #: LoRA adapters to load and publish, name -> PEFT directory (``--adapter NAME=PATH``;
+    #: LMQ_ADAPTERS as a JSON object). Published public; `lmq adapter add` adds more.
+    adapters: dict[str, str] = field(default_factory=dict)
+    #: Address they listen on: loopback unless set (containers: 0.0.0.0, for the kubelet).
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SettingsError("model is required (LMQ_MODEL or --model)")
+        for adapter in self.adapters:
+            if not isinstance(adapter, str) or not ADAPTER_NAME.match(adapter):
+                raise SettingsError(f"adapter name {adapter!r}: use 1-64 of A-Z a-z 0-9 . _ -")
         if self.backend not in BACKENDS:
             raise SettingsError(f"backend={self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
@@ -215,10 +305,7 @@ class WorkerSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
         """Read ``LMQ_MODEL``, ``LMQ_BACKEND``, ``LMQ_BATCH_SIZE``, ...; `overrides` win."""
-        environ = os.environ if environ is None else environ
-        values = _from_environ(cls, environ, skip={"redis"})
-        values["redis"] = RedisSettings.from_env(environ)
-        values.update(overrides)
+        values = _process_values(cls, environ, overrides)
         values.setdefault("model", "")
         return cls(**values)
 
@@ -253,26 +340,38 @@ class ClientSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientSettings:
         """Read ``LMQ_TIMEOUT_S``, ``LMQ_WIRE_DTYPE``, ...; `overrides` win."""
-        environ = os.environ if environ is None else environ
-        values = _from_environ(cls, environ, skip={"redis"})
-        values["redis"] = RedisSettings.from_env(environ)
-        values.update(overrides)
-        return cls(**values)
+        return cls(**_process_values(cls, environ, overrides))
 
     @classmethod
     def resolve(
         cls,
         settings: ClientSettings | None = None,
         redis_url: str | None = None,
+        cache_url: str | None = None,
         **overrides: Any,
     ) -> ClientSettings:
-        """The settings a client uses: `settings` (or the environment's), `redis_url` and
-        `overrides` on top. Resolved once per client; every way of connecting goes through here.
+        """The settings a client uses: `settings` (or the environment's), `redis_url`,
+        `cache_url` and `overrides` on top. Resolved once per client; every way of connecting
+        goes through here.
+
+        Raises:
+            SettingsError: for an override that names no field.
         """
         settings = settings or cls.from_env()
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise SettingsError(
+                f"unknown client setting {', '.join(unknown)}: expected redis_url, cache_url "
+                f"or one of {', '.join(sorted(known))}"
+            )
+        redis = overrides.get("redis", settings.redis)
         if redis_url is not None:
-            overrides.setdefault("redis", replace(settings.redis, url=redis_url))
-        settings = replace(settings, **overrides) if overrides else settings
+            redis = replace(redis, url=redis_url)
+        if cache_url is not None:
+            redis = replace(redis, cache_url=cache_url)
+        overrides["redis"] = redis
+        settings = replace(settings, **overrides)
         user = url_user(settings.redis.url)
         if user and user != "default" and user != settings.redis.tenant:
             # the tenant is the URL's ACL user: no second setting to keep in agreement
@@ -290,6 +389,17 @@ def _require_non_negative(settings: Any, *names: str) -> None:
     for name in names:
         if getattr(settings, name) < 0:
             raise SettingsError(f"{name}={getattr(settings, name)!r}: must be >= 0")
+
+
+def _process_values(
+    cls: type, environ: Mapping[str, str] | None, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """A process's settings (worker or client): its fields and its `RedisSettings` read from
+    `environ` (default: the process's), then `overrides` on top."""
+    environ = os.environ if environ is None else environ
+    values = _from_environ(cls, environ, skip={"redis"})
+    values["redis"] = RedisSettings.from_env(environ)
+    return {**values, **overrides}
 
 
 def _from_environ(cls: type, environ: Mapping[str, str], skip: set[str]) -> dict[str, Any]:

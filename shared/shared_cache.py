@@ -2,8 +2,11 @@
 
 A value is one result vector as raw little-endian bytes, under a key made of model, revision,
 result kind (``lp.float32``, ``lp.float16``) and a digest of the exact token tuple, so a new
-model revision or wire dtype never reads stale entries. Entries carry a TTL; memory is bounded
-by that TTL and, on a dedicated cache instance, by its LRU policy (ops/redis/cache.conf).
+model revision or wire dtype never reads stale entries. A row of a LoRA adapter carries the
+adapter's name and revision too (its record in `adapters`), and a private adapter's rows stay
+in its tenant's own namespace even when the tenant shares a cache pool. Entries carry a TTL;
+memory is bounded by that TTL and, on a dedicated cache instance, by its LRU policy
+(ops/redis/cache.conf).
 Cache operations are best effort: a failing cache slows requests down but never fails them.
 Writes report which entries were stored, because a worker may only hand out a claim-check (a
 reply naming a cache key instead of carrying the vector, see `shared.wire`) for an entry that
@@ -16,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from .adapters import AdapterRecord
 from .connections import bounded, multi_get
 from .keys import KeySpace
 from .wire import holds_vector
@@ -50,12 +54,24 @@ class SharedCache:
         self._keys = keys
         self._model = model
         self._revision = revision
+        #: The model's adapter records by name (kept current by the owner: client or worker).
+        self.adapters: dict[str, AdapterRecord] = {}
 
-    def key(self, dtype: str, token_bytes: bytes) -> str:
-        """The cache key of the log-probabilities of `token_bytes` in `dtype`."""
+    def key(self, dtype: str, token_bytes: bytes, adapter: str | None = None) -> str:
+        """The cache key of the log-probabilities of `token_bytes` in `dtype` (under `adapter`).
+
+        Raises:
+            KeyError: `adapter` is not in `adapters` (callers check names first).
+        """
+        if adapter is None:
+            return self._keys.cache_entry(
+                self._model, self._revision, logprobs_kind(dtype), token_bytes
+            )
+        record = self.adapters[adapter]
         return self._keys.cache_entry(
-            self._model, self._revision, logprobs_kind(dtype), token_bytes
-        )
+            self._model, self._revision, logprobs_kind(dtype), token_bytes,
+            adapter_tag=record.cache_tag(), own_namespace=record.tenant is not None,
+        )  # fmt: skip
 
     async def get_many(
         self, keys: Sequence[str], dtypes: Sequence[str] | None = None

@@ -202,13 +202,16 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
     cache = own.cache(config.cache_namespace)
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION, "+time",
-        _selector(["+get", "+smembers", "+exists"], [f"%R~{k}" for k in own.registry()]),
+        _selector(
+            ["+get", "+smembers", "+exists", "+hgetall"], [f"%R~{k}" for k in own.registry()]
+        ),
         _selector(["+evalsha"], [f"~{own.requests()}", f"~{own.rate()}"]),
         _selector(["+xadd", "+xlen"], [f"~{own.requests()}"]),
         _selector(["+hmget"], [f"%R~{own.quota()}", f"~{own.rate()}"]),
         _selector(["+hset", "+pexpire"], [f"~{own.rate()}"]),
         _selector(["+xread", "+xtrim", "+del"], [f"~{own.replies()}"]),
-        _selector(["+get", "+mget"], [f"%R~{cache}"]),
+        # its own namespace too: a private adapter's rows never go to a shared pool
+        _selector(["+get", "+mget"], sorted({f"%R~{cache}", f"%R~{own.cache()}"})),
         _selector(EXPERIMENT_COMMANDS, [f"~{own.experiments()}"]),
     ]  # fmt: skip
 
@@ -232,7 +235,7 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     registry_commands = [  # publishing is one script; the stats hash is for `lmq status`
         "+get", "+set", "+exists", "+sadd", "+smembers", "+evalsha", "+eval",
         "+zadd", "+zrem", "+zrange", "+zrangebyscore", "+zremrangebyscore",
-        "+hset", "+expire", "+del",
+        "+hset", "+hgetall", "+expire", "+del",  # hgetall: the adapter records
     ]  # fmt: skip
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION,

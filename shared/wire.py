@@ -12,6 +12,10 @@ each way (worker -> cache -> client) instead of twice. Only requests that say th
 claims (``claims``) get them, so old clients and old workers keep talking inline; a client
 whose claimed key is gone asks again without ``claims``.
 
+A request for a LoRA adapter names it in ``adapter`` (absent: the base model). The name is
+untrusted tenant input: the decoder checks its shape (`shared.adapters.ADAPTER_NAME`), the
+worker that it is served and that the tenant may use it.
+
 Every envelope carries the format version ``v``. Decoding validates every field and raises
 `MalformedMessage`, never anything else, so a reader can always answer or park a bad entry.
 """
@@ -26,6 +30,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .adapters import ADAPTER_NAME
 from .errors import LMQueueError, MalformedMessage, from_wire, to_wire
 
 __all__ = [
@@ -185,6 +190,8 @@ class Request:
     vocab_digest: str | None = None
     #: The sender resolves claim-check replies (see the module docstring).
     claims: bool = False
+    #: The LoRA adapter to compute with (None: the base model).
+    adapter: str | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -241,6 +248,8 @@ def encode_request(request: Request) -> dict[str, bytes]:
             envelope["vocab"] = request.vocab_digest
     if request.claims:
         envelope["claims"] = True
+    if request.adapter is not None:
+        envelope["adapter"] = request.adapter
     return {"m": _pack(envelope)}
 
 
@@ -287,9 +296,14 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
         if "vocab" in envelope:
             vocab = _field(envelope, "vocab", str)
     claims = "claims" in envelope and _field(envelope, "claims", bool)
+    adapter = None
+    if "adapter" in envelope:
+        adapter = _field(envelope, "adapter", str)
+        if not ADAPTER_NAME.match(adapter):
+            raise MalformedMessage(f"invalid adapter name {adapter[:80]!r}")
     return Request(
         request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes, vocab,
-        claims,
+        claims, adapter,
     )  # fmt: skip
 
 

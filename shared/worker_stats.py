@@ -37,6 +37,10 @@ class WorkerStats:
     requests_per_s: float = 0.0
     shared_cache_hits: int = 0
     shared_cache_misses: int = 0
+    #: Rebuilds of the worker's Redis Cluster clients after they lost every node
+    #: (`shared.cluster_client`), and the Unix time in ms of the last one seen (0: none).
+    cluster_rebuilds: int = 0
+    cluster_rebuilt_ms: int = 0
 
     def to_fields(self) -> dict[str, str]:
         """The hash fields."""

@@ -1,4 +1,4 @@
-"""`SchedulerProcess`: ``python -m lmqueue.scheduler`` as a real child process, for the scheduler tests."""
+"""`SchedulerProcess`: ``python -m lmqueue.scheduler`` as a child process, for the tests."""
 
 from __future__ import annotations
 

@@ -163,10 +163,23 @@ async def test_a_client_on_another_cache_than_the_workers_still_gets_every_resul
     backend, redis_url, cache_server
 ):
     async with serving(backend, redis_url, cache_server.url):
-        # this client looks for cached results in the queue instance, where there are none
-        async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
+        # told to look for cached results in the queue instance, where there are none
+        lm = await QueueLM.connect("mock", redis_url=redis_url, cache_url=redis_url, timeout_s=10)
+        async with lm:
             await _answers(lm, backend)
             assert lm.stats["claims_missed"] == len(PROMPTS)
+
+
+async def test_a_client_given_only_the_queue_url_finds_the_workers_cache_in_the_registry(
+    backend, redis_url, cache_server
+):
+    async with serving(backend, redis_url, cache_server.url) as worker:
+        async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
+            assert lm.info.cache_address == cache_server.url
+            await _answers(lm, backend)
+            stats = lm.stats
+    assert stats["claims_resolved"] == len(PROMPTS) and stats["claims_missed"] == 0
+    assert worker.answered == len(PROMPTS)
 
 
 async def test_a_failed_cache_write_sends_the_results_inline(backend, redis_url):

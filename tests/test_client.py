@@ -148,8 +148,8 @@ async def test_bad_prompts_fail_at_once_with_typed_errors(lm, tokens, error):
     assert lm.stats["sent"] == 0
 
 
-async def test_adapters_are_refused(lm):
-    with pytest.raises(BadRequest):
+async def test_an_adapter_no_worker_serves_is_refused_as_a_bad_request(lm):
+    with pytest.raises(BadRequest, match="LoRA adapter 'style' is not served"):
         await lm.next_token_logprobs([1], lora_name="style")
 
 

@@ -20,16 +20,21 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.producer.slot_pipe import SlotPipe
-from lmqueue.shared.connections import _VectoredConnection, connect_async_redis, multi_get, sync_redis
+from lmqueue.shared.connections import (
+    _VectoredConnection,
+    connect_async_redis,
+    multi_get,
+    sync_redis,
+)
 from lmqueue.shared.errors import Unavailable
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN, translate
 from lmqueue.shared.registry import ModelInfo, ModelRegistry
 from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lmqueue.local_redis import LocalRedis
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import EmptyPrompt, TokenOutOfVocabulary, UnknownModel
+from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 
 

@@ -407,7 +407,7 @@ async def test_model_limits_and_revision_are_published(make_lm: Callable) -> Non
 def test_from_name_loads_the_model_and_names_its_revision(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import workers.models as models
+    import lmqueue.workers.models as models
 
     loaded: list[dict[str, Any]] = []
     real_load = models.load_causal_lm

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import redis
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, encode_request
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
 from workers_in_threads import ThreadedWorker

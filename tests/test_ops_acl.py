@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import pytest
 import redis
 
 from lmqueue.local_redis import LocalRedis
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 
 OPS = Path(__file__).resolve().parent.parent / "ops" / "redis"
+
+
+def _included(role: str) -> str:
+    """The role's config without where it listens and writes (LocalRedis sets those)."""
+    text = (OPS / f"{role}.conf").read_text()
+    return re.sub(r"^(port|bind|dir) .*$", "", text, flags=re.M)
 
 
 def _bootstrapped(tmp_path: Path, role: str) -> LocalRedis:
@@ -20,7 +27,7 @@ def _bootstrapped(tmp_path: Path, role: str) -> LocalRedis:
     acl = tmp_path / "users.acl"
     digest = hashlib.sha256(b"pw").hexdigest()
     acl.write_text((OPS / "users.acl.example").read_text().replace("<sha256-of-password>", digest))
-    conf = (OPS / f"{role}.conf").read_text().replace("/data/users.acl", str(acl))
+    conf = _included(role).replace("/data/users.acl", str(acl))
     conf = conf.replace("maxmemory 4gb", "maxmemory 64mb").replace(
         "maxmemory 8gb", "maxmemory 64mb"
     )
@@ -52,7 +59,7 @@ def test_tenant_users_are_saved_and_survive_a_restart(tmp_path: Path) -> None:
 
 
 def test_redis_refuses_to_start_without_the_acl_file(tmp_path: Path) -> None:
-    conf = (OPS / "queue.conf").read_text().replace("/data/users.acl", str(tmp_path / "none"))
+    conf = _included("queue").replace("/data/users.acl", str(tmp_path / "none"))
     (tmp_path / "queue.conf").write_text(conf)
     server = LocalRedis(args=["--include", str(tmp_path / "queue.conf")])
     with pytest.raises(RuntimeError, match="exited with 1"):
@@ -80,7 +87,7 @@ def test_the_compose_stacks_acl_init_writes_a_file_each_config_starts_with(
     subprocess.run(["sh", "-c", script], check=True, env=env)
     subprocess.run(["sh", "-c", script], check=True, env={**env, "LMQ_ADMIN_PASSWORD": "other"})
     acl = tmp_path / role / "users.acl"
-    conf = (OPS / f"{role}.conf").read_text().replace("/data/users.acl", str(acl))
+    conf = _included(role).replace("/data/users.acl", str(acl))
     conf = conf.replace("maxmemory 4gb", "maxmemory 64mb").replace(
         "maxmemory 8gb", "maxmemory 64mb"
     )

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer import QueueLM
 from lmqueue.shared.connections import connect_async_redis, sync_redis
 from lmqueue.shared.errors import SettingsError
@@ -27,6 +26,7 @@ from lmqueue.shared.partitions import (
 )
 from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.worker import Worker
 from workers_in_threads import ThreadedWorker

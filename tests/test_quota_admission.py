@@ -9,7 +9,6 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer.admission import Admission
 from lmqueue.producer.inflight import InflightTable
 from lmqueue.producer.submitter import Submitter
@@ -17,6 +16,7 @@ from lmqueue.shared.errors import Busy, QuotaExceeded, Unavailable, from_wire, t
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request
+from lmqueue.tenant_admin import TenantAdmin
 
 MODEL = "mock"
 KEYS = KeySpace(tenant="alice")

@@ -16,18 +16,24 @@ import redis
 import torch
 
 from lmqueue.local_redis import LocalRedis
-from lmqueue.smc import lipogram_mask, run_smc
-from lmqueue.tenant_admin import TenantAdmin
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
 from lmqueue.scheduler.kinds.sample import draw_samples
-from scheduler_processes import SchedulerProcess
-from lmqueue.shared.errors import Forbidden, UnknownExperiment
+from lmqueue.shared.errors import (
+    BadRequest,
+    Forbidden,
+    UnknownAdapter,
+    UnknownExperiment,
+    UnknownModel,
+)
 from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
+from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
+from scheduler_processes import SchedulerProcess
 
 MODEL = "smollm2-135m"
 KINDS = ("exp_kinds:count", "exp_kinds:slow_model", "exp_kinds:echo")
@@ -61,6 +67,12 @@ def worker(url, tmp_path_factory):
     process = WorkerProcess(
         MODEL, "mock", url, "mock-0", backend_opts={"batch_delay_s": 0.02}, log_dir=log_dir
     ).start()
+    admin = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 120
+    while not admin.exists(KeySpace().model_info(MODEL)):  # submissions check it is published
+        assert time.monotonic() < deadline and process.alive, process.log()
+        time.sleep(0.2)
+    admin.close()
     yield process
     assert process.stop() == 0, process.log()
 
@@ -92,10 +104,21 @@ def schedulers(url, worker, tmp_path_factory):
         )
     )
     processes = [SchedulerProcess(url, f"sched-{i}", config, log_dir).start() for i in range(2)]
+    _wait_for_the_kinds(url)
     yield processes
     for process in processes:
         process.stop()
         assert "Traceback" not in process.log(), process.log()
+
+
+def _wait_for_the_kinds(url: str, timeout_s: float = 60) -> None:
+    """Until a scheduler has published the kinds it runs (submissions are checked on them)."""
+    admin = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout_s
+    while not admin.exists(KeySpace().experiment_kinds()):
+        assert time.monotonic() < deadline, "no scheduler published its kinds"
+        time.sleep(0.1)
+    admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -380,11 +403,62 @@ async def test_arq_jobs_in_redis_are_msgpack_not_pickle(experiments, url):
     await experiments.cancel(exp_id)
 
 
-async def test_an_unknown_kind_fails_with_the_kinds_this_scheduler_runs(experiments):
-    exp_id = await experiments.submit("nosuch:kind", {})
-    status = await experiments.wait(exp_id, 30)
-    assert status.status == "failed"
-    assert "unknown kind 'nosuch:kind'" in status.error and "score" in status.error
+async def test_an_unknown_kind_is_refused_at_submit_naming_the_kinds_the_schedulers_run(
+    experiments,
+):
+    before = await experiments.redis.xlen(experiments.keys.experiment_inbox())
+    with pytest.raises(BadRequest) as caught:
+        await experiments.submit("scroe", {}, model=MODEL, experiment_id="never-queued")
+    assert "unknown experiment kind 'scroe'" in caught.value.message
+    assert "score" in caught.value.message and "exp_kinds:count" in caught.value.message
+    assert await experiments.redis.xlen(experiments.keys.experiment_inbox()) == before
+    assert not await experiments.redis.exists(experiments.keys.experiment_record("never-queued"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "params", "model", "error", "says"),
+    [
+        ("sample", {"prompt": "hi", "n": "abc"}, MODEL, BadRequest, "n='abc' is not of type int"),
+        ("sample", {"prompt": "hi", "nn": 3}, MODEL, BadRequest, "takes no parameter nn"),
+        ("score", {}, MODEL, BadRequest, "needs parameter rows"),
+        ("score", {"rows": []}, "", BadRequest, "calls a model"),
+        ("score", {"rows": []}, "no-such-model", UnknownModel, "no-such-model"),
+    ],
+)
+async def test_a_bad_experiment_is_refused_at_submit_with_nothing_queued(
+    experiments, kind, params, model, error, says
+):
+    before = await experiments.redis.xlen(experiments.keys.experiment_inbox())
+    with pytest.raises(error) as caught:
+        await experiments.submit(kind, params, model=model)
+    assert says in caught.value.message
+    assert await experiments.redis.xlen(experiments.keys.experiment_inbox()) == before
+
+
+def test_the_command_refuses_a_bad_experiment_with_exit_2_naming_the_cause(
+    url, schedulers, tmp_path, capsys
+):
+    from lmqueue.cli import main
+
+    cases = [
+        (["scroe", "--model", MODEL], "unknown experiment kind 'scroe'"),
+        (["sample", "--model", MODEL, "--set", "prompt=hi", "--set", "n=abc"], "n='abc'"),
+        (["score", "--model", MODEL, "--data", str(tmp_path / "missing.jsonl")],
+         f"cannot read {tmp_path / 'missing.jsonl'}"),
+        (["score", "--model", "nobody-serves", "--set", "rows=[]"],
+         "models served here: smollm2-135m"),
+    ]  # fmt: skip
+    for args, says in cases:
+        code = main(["experiment", "submit", *args, "--redis-url", url])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and says in err, (args, err)
+
+
+async def test_a_deferred_experiment_cancelled_reads_cancelled_at_once(experiments):
+    exp_id = await experiments.submit("exp_kinds:count", {"n": 1}, start_after_s=time.time() + 60)
+    assert (await experiments.status(exp_id)).status == "queued"
+    assert (await experiments.cancel(exp_id)).status == "cancelled"
+    assert (await experiments.status(exp_id)).status == "cancelled"
 
 
 async def test_a_failing_experiment_reports_its_error(experiments):
@@ -445,6 +519,12 @@ async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_pat
         config.write_text("{}")
         process = SchedulerProcess(local.url, "sched-hf", config, tmp_path).start()
         try:
+            admin = redis.Redis.from_url(local.url)
+            deadline = time.monotonic() + 300  # submissions check that the model is published
+            while not admin.exists(KeySpace().model_info(MODEL)):
+                assert time.monotonic() < deadline and worker.alive, worker.log()
+                await asyncio.sleep(0.5)
+            admin.close()
             async with Experiments.connect(local.url) as experiments:
                 exp_id = await experiments.submit("score", {"rows": rows}, model=MODEL)
                 status = await experiments.wait(exp_id, 300)
@@ -462,3 +542,39 @@ async def test_score_with_the_smollm2_worker_matches_in_process_logprobs(tmp_pat
         logprobs = torch.log_softmax(logits, dim=-1)
         expected = [float(logprobs[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)]
         assert result["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+
+
+async def test_an_experiment_with_an_adapter_parameter_calls_that_adapter(
+    experiments, url, smol_tokenizer, tmp_path
+):
+    from test_adapters import _retry_unknown, fake_adapter
+
+    from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
+
+    path = fake_adapter(tmp_path / "exp-a", b"experiment adapter")
+    admin = redis.asyncio.Redis.from_url(url)
+    try:
+        record = AdapterRecord("exp-a", str(path), adapter_revision(path))
+        await AdapterRegistry(admin, KeySpace(), MODEL).add(record)
+    finally:
+        await admin.aclose()
+    tuned = MockAsyncLM(smol_tokenizer)
+    await tuned.load_adapter("exp-a", str(path))
+    rows = [{"context": "The capital of France is", "continuation": " Paris"}]
+
+    async def scored() -> dict:
+        exp_id = await experiments.submit("score", {"rows": rows}, model=MODEL, adapter="exp-a")
+        status = await experiments.wait(exp_id, 60)
+        if status.status == "failed" and "UnknownAdapter" in status.error:
+            raise UnknownAdapter(status.error)  # the worker has not loaded it yet: again
+        assert status.status == "complete", status
+        return (await experiments.results(exp_id))[0]
+
+    result = await _retry_unknown(scored, timeout_s=20)
+    ctx = smol_tokenizer.encode(rows[0]["context"], add_special_tokens=False)
+    cont = result["tokens"]
+    expected = [float(tuned.logprobs_of(ctx + cont[:i], "exp-a")[t]) for i, t in enumerate(cont)]
+    assert result["token_logprobs"] == pytest.approx(expected, abs=1e-6)
+    exp_id = await experiments.submit("score", {"rows": rows, "adapter": "nope"}, model=MODEL)
+    status = await experiments.wait(exp_id, 60)
+    assert status.status == "failed" and "UnknownAdapter" in status.error

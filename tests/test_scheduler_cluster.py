@@ -20,15 +20,15 @@ import redis
 
 from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
-from lmqueue.tenant_admin import TenantAdmin
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.main import main as scheduler_main
-from scheduler_processes import SchedulerProcess
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
+from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
+from scheduler_processes import SchedulerProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -80,6 +80,14 @@ def schedulers(
     processes = [
         SchedulerProcess(data_url, f"csched-{i}", config, log_dir).start() for i in range(2)
     ]
+    data = sync_redis(data_url)  # submissions are checked on the kinds and the model published
+    deadline = time.monotonic() + 120
+    while not (
+        data.exists(KeySpace().experiment_kinds()) and data.exists(KeySpace().model_info(MODEL))
+    ):
+        assert time.monotonic() < deadline, worker.log() + processes[0].log()
+        time.sleep(0.2)
+    data.close()
     yield processes
     for process in processes:
         process.stop()

@@ -284,4 +284,65 @@ def test_watch_refreshes_until_interrupted(redis_url) -> None:
             assert watcher.returncode == 0
         finally:
             watcher.kill()
-    assert "\x1b[2J" in "".join(lines)  # each refresh clears the screen
+    assert "\x1b[2J" not in "".join(lines)  # into a pipe: refreshes follow one another
+    assert sum(line.startswith("redis redis://127.0.0.1:") for line in lines) >= 3
+
+
+def test_a_killed_worker_is_marked_stale_and_one_instance_is_said_to_be_one(
+    redis_url, tmp_path, capsys
+) -> None:
+    import signal
+    import time
+
+    import redis as redis_sync
+
+    from lmqueue.cli import main
+    from lmqueue.worker_processes import WorkerProcess
+
+    worker = WorkerProcess("smollm2-135m", "mock", redis_url, "doomed-0", log_dir=tmp_path)
+    worker.start()
+    admin = redis_sync.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while not admin.zcard(KEYS.model_workers("smollm2-135m")):
+            assert time.monotonic() < deadline and worker.alive, worker.log()
+            time.sleep(0.2)
+        worker.signal(signal.SIGKILL)
+        worker.process.wait()  # type: ignore[union-attr]
+        # as if 20 s had passed since its last heartbeat
+        admin.zadd(
+            KEYS.model_workers("smollm2-135m"), {"doomed-0": int(time.time() * 1000) - 20_000}
+        )
+    finally:
+        worker.stop()
+        admin.close()
+    password_url = redis_url.replace("redis://", "redis://default:pw-not-shown@")
+    assert main(["status", "--redis-url", redis_url, "--model", "smollm2-135m"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == f"redis {redis_url}"
+    assert "doomed-0: STALE, heartbeat silent for 20." in text
+    assert "cache redis: the queue instance (no separate cache)" in text
+    main(["status", "--redis-url", password_url])
+    out, err = capsys.readouterr()
+    assert "pw-not-shown" not in out + err and "default:***@" in out + err
+
+
+def test_a_published_cache_the_user_cannot_read_is_said_and_the_queue_still_shown(
+    redis_url, capsys
+) -> None:
+    import redis as redis_sync
+
+    from lmqueue.cli import main
+    from lmqueue.shared.registry import ModelInfo
+
+    with LocalRedis() as cache:
+        redis_sync.Redis.from_url(cache.url).config_set("requirepass", "not-yours")
+        admin = redis_sync.Redis.from_url(redis_url)
+        info = ModelInfo("m", "r", "mock", 10, 10, 0, cache_address=cache.url)
+        admin.set(KEYS.model_info("m"), info.to_bytes())
+        admin.sadd(KEYS.models(), "m")
+        admin.close()
+        assert main(["status", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "model m: backlog 0" in out
+    assert "cache redis: a separate instance this user cannot read" in out

@@ -21,11 +21,11 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from lmqueue.local_cluster import LocalCluster
 from lmqueue.local_redis import LocalRedis
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.shared.admission_script import ADMISSION_LUA, ADMISSION_SHA
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 
 MODEL = "mock"
 

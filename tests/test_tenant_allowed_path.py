@@ -14,11 +14,11 @@ import pytest
 import redis
 import torch
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer import QueueLM, QueueTrie
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.settings import ClientSettings
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.masses import TrieMasses
 from workers_in_threads import ThreadedWorker
@@ -81,14 +81,19 @@ async def test_generated_tenant_users_submit_and_read_only_their_own_experiments
     """The same ACL rules `lmq tenant add` makes cover experiments; Redis refuses the rest."""
     from lmqueue.producer import Experiments
     from lmqueue.shared.errors import Forbidden
+    from lmqueue.shared.experiment_kinds import KindSpec, encode_catalog
+    from lmqueue.shared.keys import KeySpace
 
     admin = redis.Redis.from_url(redis_url)
     tenant_admin = TenantAdmin(admin, redis_url)
     alice_url = tenant_admin.add(TenantConfig("alice"))
     bob_url = tenant_admin.add(TenantConfig("bob"))
     alice, bob = Experiments.connect(alice_url), Experiments.connect(bob_url)
+    # what a scheduler publishes, and tenants read to check a submission
+    catalog = encode_catalog({"noop": KindSpec(None, needs_model=False)})
+    admin.set(KeySpace().experiment_kinds(), catalog)
     try:
-        experiment_id = await alice.submit("score", {"rows": []}, experiment_id="e1")
+        experiment_id = await alice.submit("noop", {"rows": []}, experiment_id="e1")
         assert (await alice.status(experiment_id)).status == "queued"
         assert [s.id for s in await alice.list()] == [experiment_id]
         with pytest.raises(Forbidden):  # alice's record, read with bob's credentials

@@ -112,11 +112,51 @@ def test_a_separate_cache_instance_gets_the_same_users(
     from lmqueue.local_redis import LocalRedis
 
     with LocalRedis() as cache_server:
-        code, out, _ = _lmq(capsys, redis_url, "--cache-url", cache_server.url, "add", "erin")
-        queue_url, cache_line = out.splitlines()[:2]
-        cache_url = cache_line.removeprefix("cache: ")
-        assert code == 0 and cache_url.startswith("redis://erin:")
-        assert cache_url.split("@")[0] == queue_url.split("@")[0]  # one password for both
-        erin = redis.Redis.from_url(cache_url)
+        code, out, _ = _lmq(capsys, redis_url, "add", "erin", "--cache-url", cache_server.url)
+        queue_url, note = out.splitlines()[:2]
+        assert code == 0 and cache_server.url in note and "erin:" not in note
+        # the one URL printed first logs in at the cache instance too (same password)
+        host = cache_server.url.split("//")[1]
+        erin = redis.Redis.from_url(queue_url.split("@")[0] + "@" + host)
         assert erin.mget([KeySpace(tenant="erin").cache_entry("m", "r", "k", b"1234")]) == [None]
         erin.close()
+
+
+def test_the_connection_flags_go_after_the_action_too(
+    admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["tenant", "add", "erin", "--redis-url", redis_url, "--prefix", "lmq"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and out.startswith("redis://erin:")
+    assert main(["tenant", "list", "--redis-url", redis_url]) == 0
+    assert "erin" in capsys.readouterr().out
+
+
+def test_the_cache_the_workers_publish_gets_the_user_without_a_flag(
+    admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmqueue.local_redis import LocalRedis
+    from lmqueue.shared.registry import ModelInfo
+
+    with LocalRedis() as cache_server:
+        info = ModelInfo("mock", "r", "mock", 10, 10, 0, cache_address=cache_server.url)
+        admin.set(KeySpace().model_info("mock"), info.to_bytes())
+        code, out, _ = _lmq(capsys, redis_url, "add", "erin")
+        assert code == 0 and cache_server.url in out.splitlines()[1]
+        users = redis.Redis.from_url(cache_server.url).execute_command("ACL", "USERS")
+        assert b"erin" in users
+
+
+def test_a_cache_that_refuses_the_admin_leaves_no_tenant_anywhere(
+    admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmqueue.local_redis import LocalRedis
+
+    with LocalRedis() as cache_server:
+        redis.Redis.from_url(cache_server.url).config_set("requirepass", "cache-admin-secret")
+        wrong = cache_server.url.replace("redis://", "redis://default:not-it@")
+        code, out, err = _lmq(capsys, redis_url, "add", "erin", "--cache-url", wrong)
+        assert code == 2 and out == "" and "nothing changed" in err
+        assert "not-it" not in err and "default:***@" in err
+        assert b"erin" not in admin.execute_command("ACL", "USERS")
+        assert not admin.hexists(KeySpace().tenants(), "erin")

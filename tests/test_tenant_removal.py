@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import redis
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, encode_request
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.upkeep import TENANT_REFRESH_S
 from workers_in_threads import ThreadedWorker

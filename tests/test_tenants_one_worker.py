@@ -17,7 +17,6 @@ import pytest
 import redis
 import torch
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import QuotaExceeded
 from lmqueue.shared.keys import KeySpace
@@ -25,6 +24,7 @@ from lmqueue.shared.settings import ClientSettings
 from lmqueue.shared.shared_cache import logprobs_kind
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, decode_reply, encode_request
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

@@ -17,13 +17,13 @@ import torch
 from redis.exceptions import AuthenticationError, ResponseError
 
 from lmqueue.local_cluster import LocalCluster
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer import QueueLM
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.shared.connections import is_cluster, sync_redis
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

@@ -11,7 +11,11 @@ import pytest
 from test_trie import weights_for
 
 from lmqueue.shared.errors import Cancelled, VocabularyMismatch
-from lmqueue.shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from lmqueue.shared.lm.trie import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
+)
 
 WORDS = [b"a", b"ab", b"abc", b"b", b"", b"ab", b"\xc3\xa9"]
 

@@ -11,7 +11,11 @@ import torch
 from test_trie import brute_force, weights_for
 
 from lmqueue.shared.errors import VocabularyMismatch
-from lmqueue.shared.lm.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from lmqueue.shared.lm.trie import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
+)
 from lmqueue.shared.lm.vocab import decode_vocab
 
 

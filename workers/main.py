@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
-from lmqueue.shared.connections import connect_async_redis
-from lmqueue.shared.errors import SettingsError
-from lmqueue.shared.failures import report_failure
+from lmqueue.shared.adapters import parse_adapter_spec
+from lmqueue.shared.errors import InvalidName, SettingsError
+from lmqueue.shared.failures import ArgumentParser, configure_logging, report_failure
 from lmqueue.shared.redis_errors import redis_boundary
+from lmqueue.shared.redis_roles import connect_redis_roles
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
 
 from .backend_loader import load_backend
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The worker's flags; each overrides the LMQ_* variable of the same name."""
-    parser = parser or argparse.ArgumentParser(prog="lmq worker", description=__doc__)
+    parser = parser or ArgumentParser(prog="lmq worker", description=__doc__)
     parser.add_argument("--model", help="model alias, directory or hub id (LMQ_MODEL)")
     parser.add_argument("--backend", choices=["hf", "mock", "vllm", "sgl"], help="(LMQ_BACKEND)")
     parser.add_argument("--redis-url", help="queue Redis (LMQ_REDIS_URL or REDIS_URL)")
@@ -56,9 +57,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="serve /metrics, /healthz and /readyz on this port (LMQ_METRICS_PORT; 0: off)",
     )  # fmt: skip
     parser.add_argument(
+        "--metrics-host",
+        help="address of that server (LMQ_METRICS_HOST; default 127.0.0.1, 0.0.0.0: all)",
+    )
+    parser.add_argument(
         "--partitions", type=int,
         help="request stream partitions for prefix affinity, the same on every worker of the "
         "model (LMQ_PARTITIONS; 1: one stream)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--adapter", action="append", metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in directory PATH as NAME (public; repeatable)",
     )  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="show tracebacks of failures")
     return parser
@@ -75,7 +84,7 @@ def settings_from_args(
         redis = replace(redis, cache_url=args.cache_url)
     overrides: dict[str, Any] = {"redis": redis}
     names = ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level",
-             "metrics_port", "partitions")  # fmt: skip
+             "metrics_port", "metrics_host", "partitions")  # fmt: skip
     for name in names:
         value = getattr(args, name)
         if value is not None:
@@ -87,6 +96,11 @@ def settings_from_args(
             raise SettingsError(f"--backend-opts={args.backend_opts!r}: {exc}") from None
         if not isinstance(overrides["backend_opts"], dict):
             raise SettingsError(f"--backend-opts={args.backend_opts!r}: expected a JSON object")
+    if getattr(args, "adapter", None):
+        try:
+            overrides["adapters"] = dict(parse_adapter_spec(spec) for spec in args.adapter)
+        except InvalidName as exc:
+            raise SettingsError(f"--adapter: {exc.message}") from None
     return WorkerSettings.from_env(environ, **overrides)
 
 
@@ -109,33 +123,31 @@ async def _probes(
     if not settings.metrics_port:
         yield
         return
-    async with HealthServer(health, metrics.registry, port=settings.metrics_port):
+    server = HealthServer(health, metrics.registry, settings.metrics_host, settings.metrics_port)
+    async with server:
         yield
 
 
 async def _serve(
     settings: WorkerSettings, stop: asyncio.Event, metrics: WorkerMetrics, health: HealthState
 ) -> None:
+    roles = await connect_redis_roles(settings.redis)  # first: a wrong password fails at once
     logger.info("loading %s backend for %s", settings.backend, settings.model)
-    backend = await asyncio.to_thread(load_backend, settings)
-    redis = await connect_async_redis(settings.redis.url, settings.redis.connect_timeout_s)
-    cache_redis = None
-    if settings.redis.cache_url and settings.redis.cache_url != settings.redis.url:
-        cache_redis = await connect_async_redis(
-            settings.redis.cache_url, settings.redis.connect_timeout_s
-        )
     try:
-        with redis_boundary(f"worker {settings.name}"):
+        backend = await asyncio.to_thread(load_backend, settings)
+    except BaseException:
+        await roles.aclose()
+        raise
+    try:
+        with redis_boundary(f"worker {settings.name}", settings.redis.url):
             worker = Worker(
-                settings, backend, redis, cache_redis, masses=_masses(backend), metrics=metrics,
-                health=health,
+                settings, backend, roles.queue, roles.cache if roles.separate else None,
+                masses=_masses(backend), metrics=metrics, health=health,
             )  # fmt: skip
             await worker.serve(stop)
     finally:
         await backend.aclose()
-        await redis.aclose()
-        if cache_redis is not None:
-            await cache_redis.aclose()
+        await roles.aclose()
         logger.info("worker %s stopped", settings.name)
 
 
@@ -178,10 +190,7 @@ def main(argv: list[str] | None = None, verbose: bool = False) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-        logging.basicConfig(
-            level=settings.log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        )
+        configure_logging(settings.log_level.upper())
         if settings.malloc_mmap_threshold:  # before the model's weights are allocated
             return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
         asyncio.run(run_worker(settings))

@@ -25,6 +25,9 @@ prompts never become labels.
     lmq_heartbeat_timestamp_seconds{model}          Unix time of the last heartbeat written
     lmq_partitions_owned{model}                     request stream partitions this worker owns
     lmq_stolen_entries_total{model}                 entries taken from partitions it does not own
+    lmq_cluster_rebuilds_total{model}               Redis Cluster clients rebuilt after losing
+                                                    every node (shared.cluster_client)
+    lmq_cluster_rebuilding{model}                   1 while such a rebuild is under way
     process_resident_memory_bytes, ...              the standard process collector (RSS, CPU)
 
 Enqueue times come from stream entry ids, which are Redis's millisecond clock at XADD: the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -186,6 +189,11 @@ class WorkerMetrics:
         """A heartbeat was written."""
         self._heartbeat.labels(self.model).set(time.time() if now_s is None else now_s)
 
+    def watch_cluster(self, state: Callable[[], tuple[int, bool]]) -> None:
+        """Export ``lmq_cluster_rebuilds_total`` and ``lmq_cluster_rebuilding`` from `state`
+        (rebuilds so far, one under way: `shared.cluster_client.cluster_rebuilds`)."""
+        self.registry.register(_ClusterCollector(self.model, state))
+
     def watch_backend(self, backend: Any) -> None:
         """Read KV and local-cache figures from `backend` at each scrape (where it has them).
 
@@ -281,3 +289,36 @@ class _BackendCollector(Collector):
                 "lmq_kv_cache_bytes", "Bytes of the KV positions held.", labels=["model"]
             ),
         )  # fmt: skip
+
+
+class _ClusterCollector(Collector):
+    """Rebuilds of the worker's Redis Cluster clients, read at scrape time."""
+
+    def __init__(self, model: str, state: Callable[[], tuple[int, bool]]) -> None:
+        self.model = model
+        self.state = state
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        rebuilds, rebuilding = self.state()
+        total, now = self._families()
+        total.add_metric([self.model], rebuilds)
+        now.add_metric([self.model], int(rebuilding))
+        return iter((total, now))
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, GaugeMetricFamily]:
+        return (
+            CounterMetricFamily(
+                "lmq_cluster_rebuilds",
+                "Times a Redis Cluster client lost every node and was rebuilt from known ones.",
+                labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "lmq_cluster_rebuilding",
+                "1 while a Redis Cluster client is being rebuilt (no node reachable yet).",
+                labels=["model"],
+            ),
+        )

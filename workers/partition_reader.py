@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from lmqueue.shared.connections import execute_pipeline, is_cluster
 from lmqueue.shared.errors import SettingsError
@@ -39,12 +39,26 @@ from lmqueue.shared.registry import ModelRegistry
 from lmqueue.shared.settings import WorkerSettings
 
 from .metrics import WorkerMetrics
-from .request_stream import Entry
+from .request_stream import Entry, RequestStream
 
-if TYPE_CHECKING:
-    from .tenant_lanes import Lane
+__all__ = ["PartitionReader", "StreamLane"]
 
-__all__ = ["PartitionReader"]
+
+class StreamLane(Protocol):
+    """What the reader needs of a lane: its stream and the partition that stream belongs to.
+
+    `tenant_lanes.Lane` is one; the reader does not import it, so the lanes depend on the
+    reader and not the other way round.
+    """
+
+    @property
+    def stream(self) -> RequestStream: ...
+
+    @property
+    def partition(self) -> int | None: ...
+
+
+Lane = TypeVar("Lane", bound=StreamLane)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +67,7 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 10
 
 
-class PartitionReader:
+class PartitionReader(Generic[Lane]):
     """The read side of one worker over its model's partitions."""
 
     def __init__(

@@ -12,6 +12,10 @@ The steps, each cheap before the expensive one:
    (`ForwardGate`): another batch's poison never becomes this batch's error;
 4. encode vectors once per (prompt, dtype) and answer every request; a fresh result the
    worker writes to the shared cache goes to clients that resolve claim-checks as one.
+
+A prompt is always paired with the LoRA adapter it is asked under (`Prompt`): de-duplication,
+cache keys and backend calls never mix rows of two adapters. Admission checks the adapter
+against the worker's `AdapterSet` for the lane's tenant (served? private to another tenant?).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from lmqueue.shared.errors import (
     MalformedMessage,
     ModelError,
     OversizeRequest,
+    UnknownAdapter,
 )
 from lmqueue.shared.keys import validate_client_id
 from lmqueue.shared.lm.interface import AsyncLM
@@ -41,6 +46,7 @@ from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import Request, bytes_to_vector, decode_request, vector_payload
 
+from .adapter_set import AdapterSet
 from .late_binding import ForwardPart
 from .metrics import WorkerMetrics
 from .outcome import Outcome, Payload
@@ -51,6 +57,9 @@ __all__ = ["BatchProcessor", "ForwardGate", "MassComputer"]
 logger = logging.getLogger(__name__)
 
 _VALID_CLIENTS_KEPT = 4096
+
+#: A distinct computation: the adapter ("" for the base model) and the prompt's token bytes.
+Prompt = tuple[str, bytes]
 
 
 class MassComputer(Protocol):
@@ -140,9 +149,15 @@ class BatchProcessor:
         max_request_bytes: int = 1 << 20,
         masses: MassComputer | None = None,
         metrics: WorkerMetrics | None = None,
+        adapters: AdapterSet | None = None,
+        tenant: str = "default",
     ) -> None:
         self.backend = backend
         self.cache = cache
+        self.adapters = adapters
+        self.tenant = tenant
+        if cache is not None and adapters is not None:
+            cache.adapters = adapters.served  # the same dict: kept current by the refresh
         self.max_prompt_tokens = max_prompt_tokens or backend.max_prompt_tokens
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses
@@ -207,7 +222,8 @@ class BatchProcessor:
         size = sum(map(len, entry.fields.values()))
         if size > self.max_request_bytes:
             raise OversizeRequest(
-                f"request of {size} bytes exceeds the limit of {self.max_request_bytes}",
+                f"request of {size} bytes exceeds the workers' limit of "
+                f"{self.max_request_bytes} (LMQ_MAX_REQUEST_BYTES)",
                 size=size,
                 limit=self.max_request_bytes,
             )
@@ -216,14 +232,21 @@ class BatchProcessor:
         check_prompt(request.tokens, self.backend.vocab_size, self.max_prompt_tokens)
         if request.kind == "mass" and self.mass_computer is None:
             raise BadRequest("this worker serves no trie mass requests")
+        if request.adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapter(
+                    f"LoRA adapter {request.adapter!r} is not served; served: none",
+                    adapter=request.adapter, served=[],
+                )  # fmt: skip
+            self.adapters.check(request.adapter, self.tenant)
 
     # -- 2-4. answering ----------------------------------------------------------------------------
     async def _answer(
         self, jobs: list[Job], outcome: Outcome, forward: ForwardPart | None = None
     ) -> None:
-        wanted: dict[bytes, set[str]] = {}
+        wanted: dict[Prompt, set[str]] = {}
         for job in jobs:
-            wanted.setdefault(job.request.token_bytes, set()).add(_vector_dtype(job.request))
+            wanted.setdefault(_prompt(job.request), set()).add(_vector_dtype(job.request))
         payloads = await self._cached_payloads(wanted)
         missing = sorted(
             prompt
@@ -235,9 +258,9 @@ class BatchProcessor:
         if missing and self.metrics is not None:
             self.metrics.observe_forward(time.perf_counter() - started)
         outcome.computed_prompts += len(missing)
-        outcome.computed_tokens += sum(len(prompt) // 4 for prompt in missing)
+        outcome.computed_tokens += sum(len(prompt[1]) // 4 for prompt in missing)
         #: (prompt, dtype) -> the cache key its payload is being written under
-        written: dict[tuple[bytes, str], str] = {}
+        written: dict[tuple[Prompt, str], str] = {}
         for prompt in missing:
             result = computed[prompt]
             if isinstance(result, BaseException):
@@ -246,18 +269,19 @@ class BatchProcessor:
                 payload = vector_payload(result, dtype)
                 payloads[(prompt, dtype)] = payload
                 if self.cache is not None:
-                    key = self.cache.key(dtype, prompt)
+                    key = self.cache.key(dtype, prompt[1], prompt[0] or None)
                     written[(prompt, dtype)] = key
                     outcome.cache_puts.append((key, payload))
         masses = []  # computed together: whole-vector masses share one bulk trie call
         for job in jobs:
             request = job.request
-            failure = computed.get(request.token_bytes)
+            prompt = _prompt(request)
+            failure = computed.get(prompt)
             if isinstance(failure, BaseException):
                 outcome.error(request.client_id, request.request_id, failure)
                 continue
-            wire = (request.token_bytes, _vector_dtype(request))
-            cached = request.token_bytes not in computed
+            wire = (prompt, _vector_dtype(request))
+            cached = prompt not in computed
             if request.kind != "logprobs":
                 masses.append(self._reply_masses(request, payloads[wire], cached, outcome))
             elif request.claims and wire in written:
@@ -272,16 +296,16 @@ class BatchProcessor:
         await asyncio.gather(*masses)
 
     async def _cached_payloads(
-        self, wanted: dict[bytes, set[str]]
-    ) -> dict[tuple[bytes, str], Payload]:
+        self, wanted: dict[Prompt, set[str]]
+    ) -> dict[tuple[Prompt, str], Payload]:
         if self.cache is None:
             return {}
         keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
         values = await self.cache.get_many(
-            [self.cache.key(dtype, prompt) for prompt, dtype in keys],
+            [self.cache.key(dtype, prompt[1], prompt[0] or None) for prompt, dtype in keys],
             [dtype for _, dtype in keys],
         )
-        found: dict[tuple[bytes, str], Payload] = {
+        found: dict[tuple[Prompt, str], Payload] = {
             key: value for key, value in zip(keys, values, strict=True) if value is not None
         }
         if self.metrics is not None:
@@ -304,8 +328,8 @@ class BatchProcessor:
         )  # fmt: skip
 
     async def _compute(
-        self, prompts: list[bytes], forward: ForwardPart | None = None
-    ) -> dict[bytes, Any]:
+        self, prompts: list[Prompt], forward: ForwardPart | None = None
+    ) -> dict[Prompt, Any]:
         """Log-probabilities (tensor) or the final error of each distinct prompt.
 
         With `forward`, the call waits for the batch's other parts, and reports when done.
@@ -320,7 +344,7 @@ class BatchProcessor:
             if forward is not None:
                 forward.computed()
 
-    async def _compute_now(self, prompts: list[bytes]) -> dict[bytes, Any]:
+    async def _compute_now(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
         async with self.gate.shared():
             results = await self._run(prompts)
         failures = [p for p in prompts if _is_forward_failure(results[p])]
@@ -330,19 +354,22 @@ class BatchProcessor:
                 results.update(await self._isolate(failures))
         return {p: _final(r) for p, r in results.items()}
 
-    async def _run(self, prompts: list[bytes]) -> dict[bytes, Any]:
-        ids = [bytes_to_ids_list(p) for p in prompts]
-        outputs = await asyncio.gather(
-            *(self.backend.next_token_logprobs(i) for i in ids), return_exceptions=True
-        )
+    async def _run(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
+        calls = [
+            self.backend.next_token_logprobs(bytes_to_ids_list(p), lora_name=adapter or None)
+            if adapter
+            else self.backend.next_token_logprobs(bytes_to_ids_list(p))
+            for adapter, p in prompts
+        ]
+        outputs = await asyncio.gather(*calls, return_exceptions=True)
         return dict(zip(prompts, outputs, strict=True))
 
-    async def _isolate(self, prompts: list[bytes]) -> dict[bytes, Any]:
+    async def _isolate(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
         """Re-run failed prompts in halves, one half at a time, until each failure is alone."""
         if len(prompts) == 1:
             return await self._run(prompts)
         middle = len(prompts) // 2
-        results: dict[bytes, Any] = {}
+        results: dict[Prompt, Any] = {}
         for half in (prompts[:middle], prompts[middle:]):
             outputs = await self._run(half)
             failed = [p for p in half if _is_forward_failure(outputs[p])]
@@ -355,6 +382,11 @@ class BatchProcessor:
 def bytes_to_ids_list(token_bytes: bytes) -> list[int]:
     """The prompt's ids as a list of Python ints."""
     return np.frombuffer(token_bytes, dtype="<i4").tolist()
+
+
+def _prompt(request: Request) -> Prompt:
+    """What a request computes: its adapter ("" for the base model) and its prompt."""
+    return (request.adapter or "", request.token_bytes)
 
 
 def _vector_dtype(request: Request) -> str:

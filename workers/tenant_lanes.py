@@ -42,6 +42,7 @@ from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.tenants import TenantConfig, quota_fields
 from lmqueue.shared.wire import decode_request
 
+from .adapter_set import AdapterSet
 from .janitor import Janitor
 from .metrics import WorkerMetrics
 from .outcome import Outcome
@@ -92,8 +93,10 @@ class TenantLanes:
         backend: AsyncLM,
         masses: MassComputer | None = None,
         metrics: WorkerMetrics | None = None,
+        adapters: AdapterSet | None = None,
     ) -> None:
         self.redis = redis
+        self.adapters = adapters
         self.cache_redis = cache_redis
         self.settings = settings
         self.info = info
@@ -104,7 +107,9 @@ class TenantLanes:
         #: One gate for all lanes: a batch isolating a failure has the backend to itself.
         self.gate = ForwardGate()
         self.partitions = stream_partitions(info.partitions)
-        self.reader = PartitionReader(redis, settings, info.partitions, metrics)
+        self.reader: PartitionReader[Lane] = PartitionReader(
+            redis, settings, info.partitions, metrics
+        )
         self._lanes: dict[str, list[Lane]] = {}
         self._by_stream: dict[str, Lane] = {}
         self.default = self.of_tenant(self.keys.tenant)[0]
@@ -148,7 +153,7 @@ class TenantLanes:
             )  # fmt: skip
         processor = BatchProcessor(
             self.backend, cache, info.max_prompt_tokens, settings.max_request_bytes, self.masses,
-            self.metrics,
+            self.metrics, self.adapters, tenant,
         )  # fmt: skip
         processor.gate = self.gate
         writer = ReplyWriter(self.redis, stream, keys, settings, cache, self.metrics)

@@ -30,12 +30,14 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from lmqueue.shared.settings import WorkerSettings
 
+from .adapter_set import AdapterSet
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
@@ -45,7 +47,7 @@ from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
-from .upkeep import Upkeep, health_state, sleep_unless
+from .upkeep import Upkeep, UpkeepParts, health_state, sleep_unless
 
 __all__ = ["Worker"]
 
@@ -79,16 +81,28 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(settings.model)
         self.metrics.watch_backend(backend)
         self.health = health or health_state(settings)
+        self.metrics.watch_cluster(self.cluster_rebuilds)
+        self.health.watch_cluster(self.cluster_rebuilds)
+        self.adapters = AdapterSet(backend, redis, self.keys, settings.model, settings.adapters)
         self.lanes = TenantLanes(
-            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics
-        )
+            redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics,
+            self.adapters,
+        )  # fmt: skip
         self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
         self.prefetch = prefetch
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
-        self.upkeep = Upkeep(self)
+        parts = UpkeepParts(
+            settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
+            self.lanes, self.scheduler, self.adapters,
+        )  # fmt: skip
+        self.upkeep = Upkeep(parts, self.publish, self.recover)
+
+    def cluster_rebuilds(self) -> tuple[int, bool]:
+        """Rebuilds of this worker's Redis Cluster clients so far, and whether one runs now."""
+        return cluster_rebuilds(self.lanes.redis, self.lanes.cache_redis)
 
     # the settings' tenant: what a single-tenant deployment uses
     @property
@@ -126,6 +140,7 @@ class Worker:
             max_backlog=settings.max_backlog,
             partitions=settings.partitions,
             partition_block_tokens=settings.partition_block_tokens,
+            cache_address=settings.redis.published_cache_address,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -136,6 +151,7 @@ class Worker:
                 tokenizer_to_files, self.backend.tokenizer
             )
         await self.lanes.reader.check_peers()
+        await self.adapters.publish_own()
         await self.upkeep.refresh_tenants()
         await self.lanes.ensure_groups()
         vocab = [bytes(token) for token in self.backend.byte_vocab]

@@ -29,10 +29,10 @@ from typing import Any
 
 import redis
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 
 from .load import distinct_prompt, percentile
 from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure

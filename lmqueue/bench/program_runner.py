@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from typing import Any
 from .memory_bounds import vm_hwm
 from .workload import Workload, bench_prompt
 
-__all__ = ["main"]
+__all__ = ["main", "run_together"]
 
 
 async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
@@ -42,7 +43,8 @@ async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
 async def _lmqueue(args: argparse.Namespace) -> dict[str, Any]:
     from lmqueue.producer import QueueLM
 
-    async with await QueueLM.connect(args.model, redis_url=args.redis_url) as lm:
+    connecting = QueueLM.connect(args.model, redis_url=args.redis_url, adapter=args.adapter)
+    async with await connecting as lm:
         workload = _workload(args, lm.tokenizer, [bytes(t) for t in lm.byte_vocab])
         await lm.next_token_logprobs_numpy(workload.prompt)  # what cache_kv gives the other side
         figures = await _timed(workload, lm)
@@ -68,6 +70,42 @@ async def _timed(workload: Workload, lm: Any) -> dict[str, Any]:
     return {"calls": result.calls, "elapsed_s": time.monotonic() - started}
 
 
+def run_together(
+    commands: Sequence[Sequence[str]], timeout_s: float
+) -> tuple[list[dict[str, Any]], float]:
+    """Start one program per command, wait until all are loaded, start them at once; their
+    JSON figures and the seconds until the last one finished."""
+    processes = [
+        subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    try:
+        for process in processes:  # every program loaded before any starts
+            assert process.stdout is not None
+            line = process.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"a program did not start: {line!r}")
+        started = time.monotonic()
+        for process in processes:
+            assert process.stdin is not None
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        results = [_result(process, timeout_s) for process in processes]
+        return results, time.monotonic() - started
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+
+
+def _result(process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    out, _ = process.communicate(timeout=timeout_s)
+    if process.returncode != 0:
+        raise RuntimeError(f"a program exited with {process.returncode}")
+    figures: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one program; the last line printed is its JSON figures."""
     parser = argparse.ArgumentParser(prog="program_runner")
@@ -80,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--adapter", default=None, help="lmqueue side: a LoRA adapter's name")
     args = parser.parse_args(argv)
     if args.side == "genlm":  # the client side never imports torch (see QueueLM)
         import torch

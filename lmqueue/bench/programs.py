@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from .memory_bounds import vm_hwm
+from .program_runner import run_together
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import redis_server, wait_for_workers, worker_pool
 
@@ -83,32 +81,8 @@ def _round(
         "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.seed),
         "--torch-threads", str(threads), *(["--redis-url", redis_url] if redis_url else []),
     ]  # fmt: skip
-    processes = [
-        subprocess.Popen(
-            [*command, "--variant", str(first_variant + i)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(k)
-    ]
-    try:
-        for process in processes:  # every program loaded before any starts
-            assert process.stdout is not None
-            line = process.stdout.readline()
-            if line.strip() != "ready":
-                raise RuntimeError(f"a {side} program did not start: {line!r}")
-        started = time.monotonic()
-        for process in processes:
-            assert process.stdin is not None
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        results = [_result(process, args.timeout_s) for process in processes]
-        wall_s = time.monotonic() - started
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+    commands = [[*command, "--variant", str(first_variant + i)] for i in range(k)]
+    results, wall_s = run_together(commands, args.timeout_s)
     calls = sum(r["calls"] for r in results)
     return {
         "programs": k,
@@ -119,14 +93,6 @@ def _round(
         "torch_threads_per_program": threads,
         "per_program": results,
     }
-
-
-def _result(process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-    out, _ = process.communicate(timeout=timeout_s)
-    if process.returncode != 0:
-        raise RuntimeError(f"a program exited with {process.returncode}")
-    figures: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    return figures
 
 
 def _line(k: int, side: str, f: dict[str, Any]) -> str:

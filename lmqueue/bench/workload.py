@@ -1,4 +1,4 @@
-"""The SMC workload of the model and memory benchmarks: `lmqueue.smc.run_smc` on a fixed prompt.
+"""The SMC workload of the model and memory benchmarks: `run_smc` on a fixed prompt.
 
 Every side of a comparison runs the same sampler with the same prompt, seed, constraint (a
 lipogram: no token may contain "e", which makes weights uneven and so forces resampling, i.e.
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..smc import SMCResult, lipogram_mask, run_smc
+from lmqueue.shared.lm.smc import SMCResult, lipogram_mask, run_smc
 
 __all__ = ["PROMPT_TEXT", "Workload", "bench_prompt", "result_figures"]
 

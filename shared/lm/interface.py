@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lmqueue.shared.errors import AdaptersUnsupported
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.lm.vocab import decode_vocab
@@ -66,6 +67,26 @@ class AsyncLM(ABC):
     def revision(self) -> str:
         """An identifier of the weights: results of equal revisions are interchangeable."""
         return "unknown"
+
+    # -- LoRA adapters (backends that serve them override these) --------------------------------
+    #: Whether `load_adapter` works and ``lora_name=`` may name a loaded adapter.
+    supports_adapters = False
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        """The LoRA adapters loaded now."""
+        return frozenset()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in directory `path` as `name` (replacing one of that name).
+
+        Raises:
+            AdaptersUnsupported: this backend serves no adapters.
+        """
+        raise AdaptersUnsupported(f"the {self.backend_name} backend serves no LoRA adapters")
+
+    async def unload_adapter(self, name: str) -> None:  # noqa: B027 - a no-op by default
+        """Forget adapter `name` and everything computed with it (no-op if not loaded)."""
 
     def check_prompt(self, token_ids: Any) -> list[int]:
         """Validate a prompt against this model; return it as a list of ints."""

@@ -6,15 +6,25 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary
+from ..errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
 
-__all__ = ["check_prompt", "reject_adapter"]
+__all__ = ["check_prompt", "check_loaded_adapter", "reject_adapter"]
 
 
 def reject_adapter(lora_name: str | None) -> None:
     """Raise `BadRequest` for a LoRA adapter name: lmqueue serves base models only (for now)."""
     if lora_name is not None:
         raise BadRequest(f"LoRA adapter {lora_name!r} is not served; pass lora_name=None")
+
+
+def check_loaded_adapter(lora_name: str | None, loaded: frozenset[str]) -> None:
+    """Raise `UnknownAdapter` (listing what is loaded) unless `lora_name` is None or loaded."""
+    if lora_name is not None and lora_name not in loaded:
+        served = sorted(loaded)
+        raise UnknownAdapter(
+            f"LoRA adapter {lora_name!r} is not loaded; loaded: {', '.join(served) or 'none'}",
+            adapter=lora_name, served=served,
+        )  # fmt: skip
 
 
 def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.ndarray:
@@ -35,7 +45,7 @@ def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.nda
     if ids.ndim != 1:
         raise TokenOutOfVocabulary(f"token ids must be a flat sequence, got shape {ids.shape}")
     if ids.size == 0:
-        raise EmptyPrompt("token ids must not be empty")
+        raise EmptyPrompt("the prompt has no tokens (an empty text encodes to none)")
     if ids.dtype.kind not in "iu":
         if ids.dtype.kind == "O" and all(_is_int(t) for t in ids):
             ids = ids.astype(np.int64)

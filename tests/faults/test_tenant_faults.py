@@ -11,9 +11,9 @@ import signal
 
 import redis
 
-from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.tenant_admin import TenantAdmin
 
 from .harness import MODEL, Load, assert_clean, connect, make_prompts, probe, until
 from .test_worker_faults import FAST_RECLAIM

@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmqueue.shared.errors import ModelError, SettingsError
+from lmqueue.shared.adapters import adapter_revision
+from lmqueue.shared.errors import ModelError, SettingsError, UnknownAdapter
 from lmqueue.shared.lm.interface import AsyncLM
-from lmqueue.shared.lm.validation import reject_adapter
+from lmqueue.shared.lm.validation import check_loaded_adapter
 
 from .options import check_options
 
@@ -24,8 +25,12 @@ class MockAsyncLM(AsyncLM):
     """Log-probabilities drawn from a generator seeded by the exact token tuple.
 
     Equal prompts give bit-identical vectors in every process, so results through the queue
-    can be compared with results computed in-process. Concurrent calls are batched like a
-    real backend's: one batch at a time, callers arriving meanwhile join the next one.
+    can be compared with results computed in-process. It serves LoRA adapters too: a loaded
+    adapter perturbs every vector by noise seeded by the adapter directory's files and the
+    prompt, so rows of different adapters differ, deterministically, at no model's cost (fast
+    tests of the whole adapter path; the HF backend is the real thing). Concurrent calls are
+    batched like a real backend's: one batch at a time, callers arriving meanwhile join the
+    next one.
 
     Args:
         tokenizer: a HuggingFace tokenizer; its vocabulary sizes the vectors.
@@ -76,7 +81,9 @@ class MockAsyncLM(AsyncLM):
         self.oom_batch_size = oom_batch_size
         self._vectors = [self._vector_of_seed(seed) for seed in range(distinct_vectors)]
         self.batch_sizes: list[int] = []
-        self._waiting: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
+        self._waiting: list[tuple[list[int], str | None, asyncio.Future[torch.Tensor]]] = []
+        #: Loaded adapters: name -> the seed of its perturbation (its files' digest).
+        self._adapter_seeds: dict[str, bytes] = {}
         self._busy: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     #: lmqueue's own options of `from_name`; see workers.backends.options.
@@ -111,14 +118,35 @@ class MockAsyncLM(AsyncLM):
         padding that never comes up (-inf), as in models whose output layer is padded."""
         return self._vector_size
 
-    def logprobs_of(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """The deterministic log-probability vector of one prompt."""
+    supports_adapters = True
+
+    @property
+    def adapter_names(self) -> frozenset[str]:
+        return frozenset(self._adapter_seeds)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load an adapter: only its files' digest is read (it seeds the perturbation)."""
+        self._adapter_seeds[name] = (await asyncio.to_thread(adapter_revision, path)).encode()
+
+    async def unload_adapter(self, name: str) -> None:
+        self._adapter_seeds.pop(name, None)
+
+    def logprobs_of(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        """The deterministic log-probability vector of one prompt (under a loaded adapter)."""
         ids = self.check_prompt(token_ids)
-        digest = hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=8).digest()
+        check_loaded_adapter(lora_name, self.adapter_names)
+        token_bytes = np.asarray(ids, dtype="<i4").tobytes()
+        digest = hashlib.blake2b(token_bytes, digest_size=8).digest()
         seed = int.from_bytes(digest, "little")
-        if self._vectors:
-            return self._vectors[seed % len(self._vectors)]
-        return self._vector_of_seed(seed)
+        base = self._vectors[seed % len(self._vectors)] if self._vectors else None
+        if base is None:
+            base = self._vector_of_seed(seed)
+        if lora_name is None:
+            return base
+        noise_seed = hashlib.blake2b(self._adapter_seeds[lora_name] + token_bytes, digest_size=8)
+        rng = np.random.default_rng(int.from_bytes(noise_seed.digest(), "little"))
+        noise = torch.from_numpy(rng.standard_normal(self.vector_size, dtype=np.float32))
+        return torch.log_softmax(base + noise, dim=-1)
 
     def _vector_of_seed(self, seed: int) -> torch.Tensor:
         rng = np.random.default_rng(seed)
@@ -132,17 +160,16 @@ class MockAsyncLM(AsyncLM):
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        reject_adapter(lora_name)
         self._check_poison([self.check_prompt(token_ids)])
-        return self.logprobs_of(token_ids)
+        return self.logprobs_of(token_ids, lora_name)
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        reject_adapter(lora_name)
         ids = self.check_prompt(token_ids)
+        check_loaded_adapter(lora_name, self.adapter_names)
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        self._waiting.append((ids, future))
+        self._waiting.append((ids, lora_name, future))
         async with self._batch_lock():
             if not future.done():
                 await self._run_batch()
@@ -160,7 +187,7 @@ class MockAsyncLM(AsyncLM):
         await asyncio.sleep(0)  # let callers of this same instant join
         batch, self._waiting = self._waiting, []
         try:
-            delay_s = self.batch_delay_s + self.token_delay_s * sum(len(ids) for ids, _ in batch)
+            delay_s = self.batch_delay_s + self.token_delay_s * sum(len(b[0]) for b in batch)
             if delay_s:
                 await asyncio.sleep(delay_s)
         except BaseException:
@@ -168,17 +195,24 @@ class MockAsyncLM(AsyncLM):
             raise
         self.batch_sizes.append(len(batch))
         try:
-            self._check_poison([ids for ids, _ in batch])
-            results: list[Any] = [self.logprobs_of(ids) for ids, _ in batch]
+            self._check_poison([ids for ids, _, _ in batch])
+            results: list[Any] = [self._row(ids, name) for ids, name, _ in batch]
         except (ModelError, torch.OutOfMemoryError) as exc:
             results = [exc] * len(batch)
-        for (_, future), result in zip(batch, results, strict=True):
+        for (_, _, future), result in zip(batch, results, strict=True):
             if future.done():
                 continue
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    def _row(self, ids: list[int], lora_name: str | None) -> Any:
+        """One row's vector, or its own error (an adapter unloaded while it waited)."""
+        try:
+            return self.logprobs_of(ids, lora_name)
+        except UnknownAdapter as exc:
+            return exc
 
     def _check_poison(self, prompts: list[list[int]]) -> None:
         if self.crash_token is not None and any(self.crash_token in ids for ids in prompts):

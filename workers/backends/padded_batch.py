@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,8 @@ class Row:
     past: list[torch.Tensor]
     past_len: int
     new_tokens: tuple[int, ...]
+    #: The LoRA adapter the row is computed with (None: the base model).
+    adapter: str | None = None
 
 
 def forward_options(model: Any) -> dict[str, Any]:
@@ -93,11 +96,37 @@ def kv_argument(model: Any) -> str:
     (``inspect.signature`` follows the deprecation decorator to the real function), and the
     output field carries the same name, so this is the one place that decides.
     """
-    return _kv_argument_of(type(model))
+    inner: Any = _inner_model(model)
+    return _kv_argument_of(inner.__class__)
+
+
+#: What PEFT's mixed-adapter batches call the base model in ``adapter_names``.
+BASE_ADAPTER = "__base__"
+
+
+def _is_peft(model: Any) -> bool:
+    """Whether `model` is a PEFT model (checked without importing peft where none is loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _inner_model(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (whose forward takes ``**kwargs`` only)."""
+    return model.get_base_model() if _is_peft(model) else model
+
+
+def adapter_options(model: Any, adapters: list[str | None]) -> dict[str, Any]:
+    """``adapter_names`` for a PEFT model: each row's adapter, the base model's by its PEFT name.
+
+    A PEFT model must always get them: without, its active adapter would apply to every row.
+    """
+    if not _is_peft(model):
+        return {}
+    return {"adapter_names": [name or BASE_ADAPTER for name in adapters]}
 
 
 @functools.cache
-def _kv_argument_of(model_class: type) -> str:
+def _kv_argument_of(model_class: Any) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
@@ -109,10 +138,13 @@ def model_error(exc: BaseException) -> ModelError:
     return error
 
 
-def plain_forward(model: Any, tokens: tuple[int, ...], options: dict[str, Any]) -> torch.Tensor:
+def plain_forward(
+    model: Any, tokens: tuple[int, ...], options: dict[str, Any], adapter: str | None = None
+) -> torch.Tensor:
     """Log-probabilities after `tokens` from one unpadded forward without cache (the reference)."""
     ids = torch.tensor([tokens], device=model.get_input_embeddings().weight.device)
-    logits = model(input_ids=ids, use_cache=False, **options).logits
+    extra = adapter_options(model, [adapter])
+    logits = model(input_ids=ids, use_cache=False, **options, **extra).logits
     return torch.log_softmax(logits[0, -1].to(torch.float32), dim=-1).cpu()
 
 
@@ -179,6 +211,7 @@ def padded_forward(
         use_cache=keep_kv,
         **{kv_name: past},
         **forward_kwargs,
+        **adapter_options(model, [row.adapter for row in rows]),
     )
     logprobs = torch.log_softmax(output.logits[:, -1].to(torch.float32), dim=-1).cpu()
     if not keep_kv:

@@ -18,6 +18,10 @@ ancestor more recent than its descendants and makes the least recent node such a
 Nodes left with no data are pruned, and a data-less node with one child is merged into it, so
 the number of nodes stays bounded by the data held.
 
+Adapters. A LoRA adapter changes results and KV alike, so each adapter has a trie of its own
+(a root per adapter name, None for the base model) and nothing is ever shared across roots;
+the bounds and the LRU orders are common to all, so the busiest adapters keep the most.
+
 Every method runs on one thread (the event loop's); tensors handed out are never mutated.
 """
 
@@ -79,7 +83,7 @@ class PrefixCache:
             raise ValueError(f"bounds must be >= 0, got {max_kv_tokens=} {cache_size=}")
         self.max_kv_tokens = max_kv_tokens
         self.cache_size = cache_size
-        self._root = _Node((), None)
+        self._roots: dict[str | None, _Node] = {None: _Node((), None)}
         self._kv_lru: OrderedDict[_Node, None] = OrderedDict()
         self._result_lru: OrderedDict[_Node, None] = OrderedDict()
         self._kv_tokens = 0
@@ -100,7 +104,7 @@ class PrefixCache:
 
     def num_nodes(self) -> int:
         """Nodes in the trie, the root excluded."""
-        stack, count = [self._root], -1
+        stack, count = list(self._roots.values()), -len(self._roots)
         while stack:
             node = stack.pop()
             count += 1
@@ -108,9 +112,11 @@ class PrefixCache:
         return count
 
     # -- reading ---------------------------------------------------------------------------------
-    def get(self, tokens: Sequence[int]) -> torch.Tensor | None:
-        """The stored log-probabilities after exactly `tokens`, or None."""
-        node, depth = self._root, 0
+    def get(self, tokens: Sequence[int], adapter: str | None = None) -> torch.Tensor | None:
+        """The stored log-probabilities after exactly `tokens` (under `adapter`), or None."""
+        node, depth = self._roots.get(adapter), 0
+        if node is None:
+            return None
         while depth < len(tokens):
             child = node.children.get(tokens[depth])
             if child is None or _common_length(child.tokens, tokens, depth) < len(child.tokens):
@@ -120,14 +126,19 @@ class PrefixCache:
             self._result_lru.move_to_end(node)
         return node.logprobs
 
-    def kv_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[torch.Tensor], int]:
-        """The KV segments covering the longest stored past of `tokens`, at most `limit` long.
+    def kv_prefix(
+        self, tokens: Sequence[int], limit: int, adapter: str | None = None
+    ) -> tuple[list[torch.Tensor], int]:
+        """The KV segments covering the longest stored past of `tokens` (under `adapter`), at
+        most `limit` long.
 
         Returns:
             The segments in order, and the number of positions they cover.
         """
-        node, depth = self._root, 0
+        node, depth = self._roots.get(adapter), 0
         segments: list[torch.Tensor] = []
+        if node is None:
+            return segments, 0
         while depth < limit:
             child = node.children.get(tokens[depth])
             if child is None or child.kv is None:
@@ -147,13 +158,18 @@ class PrefixCache:
         logprobs: torch.Tensor | None,
         kv_start: int = 0,
         kv: torch.Tensor | None = None,
+        adapter: str | None = None,
     ) -> None:
-        """Store the result after `tokens`, and `kv` for its positions ``[kv_start, len)``.
+        """Store the result after `tokens` (under `adapter`), and `kv` for its positions
+        ``[kv_start, len)``.
 
         Edges that already hold KV keep theirs; KV is stored only below ancestors that hold it,
         so a past evicted while `kv` was computed is simply not extended.
         """
-        node, depth, parent_has_kv = self._root, 0, True
+        root = self._roots.get(adapter)
+        if root is None:
+            root = self._roots[adapter] = _Node((), None)
+        node, depth, parent_has_kv = root, 0, True
         while depth < len(tokens):
             child = self._child_along(node, tokens, depth)
             end = depth + len(child.tokens)
@@ -171,7 +187,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every result and every KV segment."""
-        self._root = _Node((), None)
+        self._roots = {None: _Node((), None)}
         self._kv_lru.clear()
         self._result_lru.clear()
         self._kv_tokens = 0
@@ -185,6 +201,18 @@ class PrefixCache:
         self._kv_tokens = 0
         for node in reversed(held):
             self._prune(node)
+
+    def drop_adapter(self, adapter: str) -> None:
+        """Forget every result and KV segment computed under `adapter` (unloaded or replaced)."""
+        root = self._roots.pop(adapter, None)
+        stack = list(root.children.values()) if root is not None else []
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.kv is not None:
+                self._kv_tokens -= node.kv.shape[TOKEN_AXIS]
+                del self._kv_lru[node]
+            self._result_lru.pop(node, None)
 
     # -- internals -------------------------------------------------------------------------------
     def _child_along(self, node: _Node, tokens: Sequence[int], depth: int) -> _Node:
@@ -255,13 +283,13 @@ class PrefixCache:
     def _check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping disagrees with the trie (for tests)."""
         kv_tokens, kv_nodes, result_nodes = 0, set(), set()
-        stack = list(self._root.children.values())
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             assert node.parent is not None and node.parent.children[node.tokens[0]] is node
             if node.kv is not None:
                 assert node.kv.shape[TOKEN_AXIS] == len(node.tokens)
-                assert node.parent is self._root or node.parent.kv is not None
+                assert node.parent.parent is None or node.parent.kv is not None
                 kv_tokens += len(node.tokens)
                 kv_nodes.add(node)
             if node.logprobs is not None:

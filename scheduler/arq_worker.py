@@ -15,15 +15,17 @@ import time
 from typing import Any
 
 import torch
-from arq import Worker, cron
+from arq import cron
 from arq.cron import CronJob
 from arq.worker import func
 
 from lmqueue.producer.experiments import Experiments
+from lmqueue.shared.experiment_kinds import encode_catalog
 
 from .dispatcher import JOB_FUNCTION, Dispatcher
-from .kinds import resolve_kinds
+from .kinds import kind_specs, resolve_kinds
 from .limits import TenantLimit
+from .outage import ResilientWorker, retrying
 from .planes import Planes, arq_settings, open_planes
 from .run import ExperimentRun, SchedulerRuntime
 from .serialization import pack, unpack
@@ -48,6 +50,10 @@ async def _startup(ctx: dict[str, Any]) -> None:
     kinds = resolve_kinds(settings.kinds)
     limit = TenantLimit(planes.control, settings.max_running_per_tenant, settings.lease_s)
     ctx["lmq"] = SchedulerRuntime(settings, planes.data, planes.control, kinds, limit)
+    # tenants' clients check submissions against it (kind, parameters): see Experiments.check
+    catalog = encode_catalog(kind_specs(kinds))
+    await retrying(lambda: planes.data.set(settings.keyspace().experiment_kinds(), catalog),
+                   "publishing the experiment kinds")  # fmt: skip
     dispatcher = Dispatcher(settings, planes.data, ctx["redis"], set(kinds))
     ctx["dispatcher"] = asyncio.create_task(dispatcher.run(), name="lmq-dispatcher")
 
@@ -75,7 +81,7 @@ def _cron_job(entry: CronEntry) -> CronJob:
     return cron(submit, name=f"cron:{entry.name}", unique=True, **schedule)
 
 
-def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) -> Worker:
+def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) -> ResilientWorker:
     """The arq worker of one scheduler process (msgpack jobs, the experiment function, crons),
     its queue on the control plane of `planes`."""
     queue = settings.keyspace().scheduler_queue()
@@ -104,7 +110,7 @@ def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) 
         "health_check_interval": 60,
     }
     options.update(overrides)
-    return Worker(**options)
+    return ResilientWorker(**options)
 
 
 async def serve(settings: SchedulerSettings) -> None:

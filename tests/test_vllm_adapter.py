@@ -31,7 +31,12 @@ from lmqueue.workers.backends import engine_imports
 from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, import_engine
 from lmqueue.workers.backends.vllm import AsyncVirtualLM
 from lmqueue.workers.backends.vllm_engine import VLLMEngine
-from lmqueue.workers.backends.vllm_logits import TAG_KEY, BatchRows, RowSink, capture_processor_class
+from lmqueue.workers.backends.vllm_logits import (
+    TAG_KEY,
+    BatchRows,
+    RowSink,
+    capture_processor_class,
+)
 
 VOCAB = 32
 

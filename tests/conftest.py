@@ -20,7 +20,8 @@ ENGINE_CLASSES = Path(__file__).resolve().parent.parent / ".engine-classes"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Make vLLM's pure-Python classes importable for the adapter tests, if bootstrap got them.
+    """Make SGLang's classes importable for its adapter tests, if `make test-engines` unpacked
+    them (scripts/engine_env.sh).
 
     Appended, so every package of the real environment (torch above all) still wins.
     """

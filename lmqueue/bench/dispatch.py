@@ -29,11 +29,12 @@ BENCHMARKS = {
     "fairness": "lmqueue.bench.fairness",
     "affinity": "lmqueue.bench.affinity",
     "adapters": "lmqueue.bench.adapters",
+    "engines": "lmqueue.bench.engines",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
 ALL_ORDER = [
     "transport", "cache", "scaling", "cluster", "fairness", "model", "memory", "trie", "programs",
-    "affinity", "adapters",
+    "affinity", "adapters", "engines",
 ]  # fmt: skip
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]

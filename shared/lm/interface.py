@@ -127,7 +127,13 @@ class AsyncLM(ABC):
         )
 
     def clear_cache(self) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Forget cached results (and cached KV, where kept)."""
+        """Forget every cached result and every cached KV or prefix the backend keeps.
+
+        The same on every backend: afterwards each prompt's next row is computed from the
+        weights. HF drops its results and KV at once; vLLM and SGLang drop lmqueue's results
+        at once and their engine's prefix/radix cache as soon as no request runs (the engines
+        refuse while requests run). A client (`QueueLM`) forgets what it cached itself.
+        """
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release engines, threads and devices; the backend is unusable afterwards."""

@@ -1,0 +1,173 @@
+"""Building vLLM 0.32's engine in this process, with the capture processor, on GPU or CPU.
+
+`build_vllm_engine` returns a plain `VLLMEngine` handle, so `AsyncVirtualLM` (and its tests,
+with a fake) never imports vLLM. Everything vLLM needs to run in this process is done here,
+at build time and never at import time:
+
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before the config is made: on CPU vLLM picks
+  the ``mp`` executor inside ``create_engine_config`` otherwise, and the capture processor must
+  run in this process to reach the backend's `RowSink`.
+- On CPU, intra-op threads cover the cores this process may run on (``sched_getaffinity``):
+  in-process vLLM drops torch to one thread unless ``OMP_NUM_THREADS`` is set, and forbids
+  ``torch.set_num_threads`` once its worker is up. The model runs in float32 (bfloat16 is 2-3x
+  slower on AVX2 CPUs and off by up to 0.4 nats), eagerly (vLLM 0.32 recompiles for ~100 s at
+  every start here: its compile cache fails to reload), with a 1 GiB KV cache (vLLM would
+  otherwise claim most of the machine's memory), and in KV blocks of 32 tokens, the smallest
+  the CPU attention kernel takes: vLLM's CPU default of 128 leaves prompts under 128 tokens
+  without any prefix-cache reuse, and an SMC step (particles one token longer than the last
+  step's) then recomputes every prompt whole -- measured here on 16 particles x 12 steps from
+  a 100-token prompt: 1.6 calls/s (391 ms CPU per call) with 128, 24.6 (40 ms) with 32.
+  ``engine_opts`` override each of these.
+
+Public vLLM surface used: ``vllm.EngineArgs``, ``vllm.LLMEngine`` (``add_request``, ``step``,
+``abort_request``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_metrics``),
+``vllm.SamplingParams`` with ``extra_args``, ``RequestOutputKind``, the custom logits
+processor base ``vllm.v1.sample.logits_processor.LogitsProcessor`` and
+``vllm.platforms.current_platform.is_cpu()``. Private names it cannot avoid, each pinned by
+``tests/test_vllm_engine_surface.py`` against the real classes:
+
+- ``vllm.v1.executor.Executor.get_class(config)``: the executor class ``LLMEngine`` needs;
+- ``config.parallel_config.world_size`` / ``.distributed_executor_backend``: to refuse a
+  config whose processor would run in another process;
+- ``LLMEngine.engine_core.shutdown()``: ``LLMEngine`` itself has no shutdown;
+- ``vllm.distributed.parallel_state.destroy_model_parallel`` /
+  ``destroy_distributed_environment``: what vLLM's own teardown calls;
+- the ``VLLM_ENABLE_V1_MULTIPROCESSING`` environment variable (read by
+  ``vllm/platforms/cpu.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmqueue.shared.errors import BadRequest, ModelError
+
+from .engine_imports import VLLM, import_engine
+from .vllm_logits import TAG_KEY, RowSink, capture_processor_class
+
+__all__ = ["VLLMEngine", "build_vllm_engine", "VLLM_DEFAULTS", "CPU_DEFAULTS", "omp_threads"]
+
+#: EngineArgs defaults; `engine_opts` override them.
+VLLM_DEFAULTS: dict[str, Any] = {
+    "enable_prefix_caching": True,
+    "disable_log_stats": True,
+    "gpu_memory_utilization": 0.9,
+}
+
+#: Further EngineArgs defaults on CPU (see the module docstring for why).
+CPU_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 1 << 30,
+    "block_size": 32,
+}
+
+
+@dataclass(frozen=True)
+class VLLMEngine:
+    """An in-process vLLM engine whose capture processor writes to `sink`."""
+
+    engine: Any  # vllm.LLMEngine: add_request, step, abort_request, ...
+    sink: RowSink
+    sampling_params: Callable[[str], Any]  # tag -> SamplingParams that flag the request
+    vector_size: int
+    max_prompt_tokens: int
+    revision: str
+    shutdown: Callable[[], None]
+
+
+def omp_threads(environ: dict[str, str] | os._Environ[str], cores: int) -> int:
+    """Intra-op threads for this process: ``OMP_NUM_THREADS`` if set, else `cores`."""
+    value = environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else cores
+
+
+def _prepare_process(opts: dict[str, Any]) -> dict[str, Any]:
+    """Set this process up for in-process vLLM; the EngineArgs with the platform's defaults."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before create_engine_config
+    platform = import_engine(VLLM, "vllm.platforms").current_platform
+    if not platform.is_cpu():
+        return opts
+    import torch
+
+    threads = omp_threads(os.environ, len(os.sched_getaffinity(0)))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # vLLM keeps torch at 1 thread otherwise
+    torch.set_num_threads(threads)
+    return {**CPU_DEFAULTS, **opts}  # VLLM_CPU_KVCACHE_SPACE, if set, still sizes the cache
+
+
+def build_vllm_engine(model: str, engine_opts: dict[str, Any] | None = None) -> VLLMEngine:
+    """Start vLLM's engine on `model` (a directory or hub id) with the capture processor.
+
+    In this process and on the ``uni`` executor: the processor runs inside vLLM's model
+    runner and must reach the backend's `RowSink`.
+
+    Raises:
+        MissingEngine: vLLM is absent or not a supported version.
+        BadRequest: `engine_opts` ask for more than one device or another executor.
+        ModelError: vLLM started without the processor (e.g. ``VLLM_USE_V2_MODEL_RUNNER=1``).
+    """
+    base = import_engine(VLLM, "vllm.v1.sample.logits_processor").LogitsProcessor
+    vllm = import_engine(VLLM, "vllm")
+    executor = import_engine(VLLM, "vllm.v1.executor").Executor
+    final_only = import_engine(VLLM, "vllm.sampling_params").RequestOutputKind.FINAL_ONLY
+
+    sink = RowSink()
+    opts = _prepare_process({**VLLM_DEFAULTS, **(engine_opts or {})})
+    processors = [*(opts.get("logits_processors") or []), capture_processor_class(base, sink)]
+    config = vllm.EngineArgs(model=model, **{**opts, "logits_processors": processors})
+    config = config.create_engine_config()
+    workers, backend = (
+        config.parallel_config.world_size,
+        config.parallel_config.distributed_executor_backend,
+    )
+    if workers != 1 or backend != "uni":
+        raise BadRequest(
+            f"AsyncVirtualLM captures logits in this process: it needs one device and the 'uni' "
+            f"executor, got world size {workers}, executor {backend!r}"
+        )
+    engine = vllm.LLMEngine(
+        vllm_config=config,
+        executor_class=executor.get_class(config),
+        log_stats=not opts["disable_log_stats"],
+        multiprocess_mode=False,
+    )
+    shutdown = _shutdown_of(engine)
+    if sink.processors == 0:
+        shutdown()
+        raise ModelError("vLLM started without lmqueue's logits processor; is the V1 runner on?")
+
+    def sampling_params(tag: str) -> Any:
+        return vllm.SamplingParams(
+            max_tokens=1,
+            temperature=0.0,  # greedy: the sampled token is discarded, skip the RNG
+            detokenize=False,
+            output_kind=final_only,
+            extra_args={TAG_KEY: tag},
+        )
+
+    model_config = config.model_config
+    return VLLMEngine(
+        engine=engine,
+        sink=sink,
+        sampling_params=sampling_params,
+        vector_size=int(model_config.get_vocab_size()),
+        max_prompt_tokens=int(model_config.max_model_len) - 1,  # room for the sampled token
+        revision=f"vllm-{model_config.dtype}".replace("torch.", ""),
+        shutdown=shutdown,
+    )
+
+
+def _shutdown_of(engine: Any) -> Callable[[], None]:
+    """What releases `engine` and vLLM's process-wide state (its own teardown's steps)."""
+    parallel = import_engine(VLLM, "vllm.distributed.parallel_state")
+
+    def shutdown() -> None:
+        engine.engine_core.shutdown()
+        parallel.destroy_model_parallel()
+        parallel.destroy_distributed_environment()
+
+    return shutdown

@@ -28,7 +28,9 @@ def _engine_ready(spec: EngineSpec) -> bool:
     return torch.cuda.is_available() and installed_version(spec) is not None
 
 
-needs_vllm = pytest.mark.skipif(not _engine_ready(VLLM), reason="needs CUDA and vllm 0.32 (on CPU: make test-engines)")
+needs_vllm = pytest.mark.skipif(
+    not _engine_ready(VLLM), reason="needs CUDA and vllm 0.32 (on CPU: make test-engines)"
+)
 needs_sglang = pytest.mark.skipif(not _engine_ready(SGLANG), reason="needs CUDA and sglang 0.5.23")
 pytestmark = [
     pytest.mark.gpu,

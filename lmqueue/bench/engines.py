@@ -34,7 +34,8 @@ import numpy as np
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .model import one_torch_thread
+from .anchor_grid import AnchorConfig
+from .model import one_torch_thread, run_genlm
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
 from .workload import Workload, result_figures
@@ -92,8 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.figure("plain.vllm_documented", plain, line=_line("plain.vllm_documented", plain))
     model = load_causal_lm(args.model)
     genlm = {
-        grid: _timed(report, f"genlm.b{grid[0]}_t{grid[1]}", _genlm(model, tokenizer, workload,
-                     *grid), args.timeout_s)
+        grid: _timed(report, f"genlm.b{grid[0]}_t{grid[1]}", run_genlm(model, tokenizer, workload,
+                     AnchorConfig(*grid)), args.timeout_s)
         for grid in GENLM_GRID
     }  # fmt: skip
     return report.finish(*_ratios(smc, ours, plain, genlm), args.out_dir)
@@ -189,21 +190,6 @@ def _compare_rows(report: Report, ours: np.ndarray, theirs: list[float]) -> None
     report.figure("plain.max_abs_diff_first_row", diff)
     if not diff < 1e-3:
         raise AssertionError(f"the worker's row and plain vLLM's differ by {diff}")
-
-
-async def _genlm(
-    model: Any, tokenizer: Any, workload: Workload, batch_size: int, timeout: float
-) -> dict[str, Any]:
-    from genlm.backend.llm import AsyncTransformer as GenlmTransformer
-
-    lm = GenlmTransformer(model, tokenizer, batch_size=batch_size, timeout=timeout)
-    lm.cache_kv(workload.prompt)
-    meter = CpuMeter({"process": [os.getpid()]})
-    meter.start()
-    result = await workload.run(lm)
-    cpu = meter.stop()
-    lm.clear_cache()
-    return result_figures(result, cpu)
 
 
 def _ratios(

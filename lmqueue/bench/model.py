@@ -184,12 +184,13 @@ def _ratios(per_s: dict[str, float], points: list[AnchorConfig]) -> tuple[dict[s
 def _genlm_runner(
     model: Any, tokenizer: Any, point: AnchorConfig
 ) -> Callable[[Workload], Awaitable[dict[str, Any]]]:
-    return lambda workload: _genlm(model, tokenizer, workload, point)
+    return lambda workload: run_genlm(model, tokenizer, workload, point)
 
 
-async def _genlm(
+async def run_genlm(
     model: Any, tokenizer: Any, workload: Workload, point: AnchorConfig
 ) -> dict[str, Any]:
+    """The workload on genlm-backend's in-process `AsyncTransformer` at one grid point."""
     from genlm.backend.llm import AsyncTransformer as GenlmTransformer
 
     lm = GenlmTransformer(model, tokenizer, **point.kwargs())

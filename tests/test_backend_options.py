@@ -25,7 +25,7 @@ def test_every_backend_loads_through_one_from_name_shape(name):
     assert params[1].kind is inspect.Parameter.KEYWORD_ONLY and params[1].default is None
     assert params[2].kind is inspect.Parameter.VAR_KEYWORD
     constructor = set(inspect.signature(cls.__init__).parameters)
-    popped_by_from_name = {"device", "bitsandbytes_opts"}
+    popped_by_from_name = {"device", "bitsandbytes_opts", "capture_slots"}
     assert cls.OPTIONS <= constructor | popped_by_from_name, "an option nothing accepts"
 
 
@@ -70,5 +70,15 @@ def test_the_environment_is_read_only_by_shared_settings():
             text = path.read_text()
             if re.search(r"os\.environ\b|os\.getenv\b|getenv\(", text):
                 readers.append(str(path.relative_to(ROOT)))
-    # the child-process launcher passes the environment on to workers; it reads no setting
-    assert sorted(readers) == ["lmqueue/worker_processes.py", "shared/settings.py"]
+    assert sorted(readers) == [
+        # passes the environment on to a child process (plain vLLM); reads no setting
+        "lmqueue/bench/engines.py",
+        # the plain-vLLM child of that benchmark configures vLLM the way the backend does
+        "lmqueue/bench/plain_vllm.py",
+        # the child-process launcher passes the environment on to workers; it reads no setting
+        "lmqueue/worker_processes.py",
+        "shared/settings.py",
+        # sets vLLM's own variables before vLLM reads them (its executor and OpenMP threads,
+        # keeping an OMP_NUM_THREADS the operator chose): engine configuration, not lmqueue's
+        "workers/backends/vllm_engine.py",
+    ]

@@ -248,7 +248,9 @@ def _real_sglang() -> Any:
             import sglang.srt.sampling.custom_logit_processor as clp
             import sglang.srt.server_args as server_args
             from sglang.srt.sampling.sampling_params import SamplingParams
-    except ImportError:  # its dependencies (triton among them) are in the engine venv only
+    except (ImportError, KeyError):
+        # its dependencies (triton among them) are in the engine venv only; a half-imported
+        # package can then fail its submodule lookups with KeyError instead
         return None
     return SimpleNamespace(clp=clp, server_args=server_args, SamplingParams=SamplingParams)
 

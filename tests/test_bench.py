@@ -123,7 +123,9 @@ def test_programs_benchmark_runs_both_sides_in_separate_processes(
         assert figures["peak_rss_bytes"] > 100 * 2**20  # a model (or a worker's) is in it
         assert len(figures["per_program"]) == 1
     assert set(result["ratios"]) == {"k1_calls_per_s", "k1_memory"}
-    assert _last_line(capsys.readouterr().out).startswith("programs ratio lmqueue/genlm: K=1")
+    assert _last_line(capsys.readouterr().out).startswith(
+        "programs ratio lmqueue/genlm (genlm at its best grid point): K=1"
+    )
 
 
 def test_fairness_benchmark_reports_every_run_its_tail_and_the_worst_beside_the_median(

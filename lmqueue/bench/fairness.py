@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 
+from .call_loop import PROMPT_TOKENS, Loop, freeze_heap
 from .fairness_plot import plot
 from .load import distinct_prompt
 from .report import DEFAULT_OUT_DIR, Report, command_parser
@@ -50,8 +49,6 @@ from .stack import connect_client, redis_server, wait_for_workers, worker_pool
 from .tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
 
 __all__ = ["add_arguments", "run", "main", "plot"]
-
-PROMPT_TOKENS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,40 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_real_model_arguments(parser)
     parser.add_argument("--docs-plot", default="docs/fairness.png", help="'' for nowhere")
-
-
-@dataclass
-class Loop:
-    """A closed loop of calls on one client; latencies and completion times recorded."""
-
-    lm: QueueLM
-    concurrency: int
-    salt: int
-    done: list[tuple[float, float]] = field(default_factory=list)  # (finished at, latency)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    _stopping: bool = False
-
-    def start(self) -> Loop:
-        counter = iter(range(1 << 62))
-
-        async def one() -> None:
-            while not self._stopping:
-                prompt = distinct_prompt(next(counter), self.salt, PROMPT_TOKENS)
-                started = time.perf_counter()
-                await self.lm.next_token_logprobs(prompt)
-                now = time.perf_counter()
-                self.done.append((now, now - started))
-
-        self._tasks = [asyncio.create_task(one()) for _ in range(self.concurrency)]
-        return self
-
-    def between(self, start: float, end: float) -> list[float]:
-        """Latencies of the calls that finished in [start, end)."""
-        return [latency for at, latency in self.done if start <= at < end]
-
-    async def stop(self) -> None:
-        self._stopping = True
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def _window(args: argparse.Namespace) -> tuple[float, float]:
@@ -222,13 +185,6 @@ async def _first_calls(clients: dict[str, QueueLM], report: Report, prefix: str)
                            for i, lm in enumerate(clients.values())))  # fmt: skip
     took_s = round(time.perf_counter() - started, 2)
     report.figure(f"{prefix}first_calls_s", took_s, line=f"first call of every client: {took_s} s")
-
-
-def freeze_heap() -> None:
-    """Take this process's start-up heap out of the garbage collector's full passes (see the
-    module docstring); what the clients allocate from now on is collected as usual."""
-    gc.collect()
-    gc.freeze()
 
 
 def _line(label: str, figures: dict[str, Any]) -> str:

@@ -1,0 +1,62 @@
+"""`Loop`: closed loops of calls on one client, and `freeze_heap`, for the fairness benchmarks.
+
+Shared by `fairness` (the mock model) and `fairness_model` (the real one), which import this
+module rather than each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass, field
+
+from lmqueue.producer import QueueLM
+
+from .load import distinct_prompt
+
+__all__ = ["Loop", "PROMPT_TOKENS", "freeze_heap"]
+
+#: Prompt length of every call of a loop.
+PROMPT_TOKENS = 8
+
+
+@dataclass
+class Loop:
+    """A closed loop of calls on one client; latencies and completion times recorded."""
+
+    lm: QueueLM
+    concurrency: int
+    salt: int
+    done: list[tuple[float, float]] = field(default_factory=list)  # (finished at, latency)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
+
+    def start(self) -> Loop:
+        counter = iter(range(1 << 62))
+
+        async def one() -> None:
+            while not self._stopping:
+                prompt = distinct_prompt(next(counter), self.salt, PROMPT_TOKENS)
+                started = time.perf_counter()
+                await self.lm.next_token_logprobs(prompt)
+                now = time.perf_counter()
+                self.done.append((now, now - started))
+
+        self._tasks = [asyncio.create_task(one()) for _ in range(self.concurrency)]
+        return self
+
+    def between(self, start: float, end: float) -> list[float]:
+        """Latencies of the calls that finished in [start, end)."""
+        return [latency for at, latency in self.done if start <= at < end]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def freeze_heap() -> None:
+    """Take this process's start-up heap out of the garbage collector's full passes (see the
+    fairness module's docstring); what the clients allocate from now on is collected as usual."""
+    gc.collect()
+    gc.freeze()

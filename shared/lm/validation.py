@@ -6,15 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BadRequest, EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
+from ..errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
 
-__all__ = ["check_prompt", "check_loaded_adapter", "reject_adapter"]
-
-
-def reject_adapter(lora_name: str | None) -> None:
-    """Raise `BadRequest` for a LoRA adapter name: lmqueue serves base models only (for now)."""
-    if lora_name is not None:
-        raise BadRequest(f"LoRA adapter {lora_name!r} is not served; pass lora_name=None")
+__all__ = ["check_prompt", "check_loaded_adapter"]
 
 
 def check_loaded_adapter(lora_name: str | None, loaded: frozenset[str]) -> None:

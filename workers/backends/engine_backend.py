@@ -22,7 +22,7 @@ import torch
 from lmqueue.shared.errors import Cancelled, ModelError
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
-from lmqueue.shared.lm.validation import reject_adapter
+from lmqueue.shared.lm.validation import check_loaded_adapter
 
 __all__ = ["EngineBackend", "Key", "Result", "engine_error", "engine_model_source", "settle"]
 
@@ -79,7 +79,7 @@ class EngineBackend(AsyncLM):
             ModelError: if the engine failed or returned no row.
             Cancelled: if the queries were reset or the backend closed.
         """
-        reject_adapter(lora_name)
+        check_loaded_adapter(lora_name, self.adapter_names)
         key = self._checked(token_ids)
         cached = self._cache_get(key)
         if cached is not None:
@@ -98,7 +98,7 @@ class EngineBackend(AsyncLM):
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Every prompt's row, in order; each distinct uncached prompt is computed once."""
-        reject_adapter(lora_name)
+        check_loaded_adapter(lora_name, self.adapter_names)
         keys = [self._checked(ids) for ids in token_ids_list]
         results: dict[Key, torch.Tensor] = {}
         missing: dict[Key, None] = {}

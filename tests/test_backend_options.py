@@ -25,7 +25,7 @@ def test_every_backend_loads_through_one_from_name_shape(name):
     assert params[1].kind is inspect.Parameter.KEYWORD_ONLY and params[1].default is None
     assert params[2].kind is inspect.Parameter.VAR_KEYWORD
     constructor = set(inspect.signature(cls.__init__).parameters)
-    popped_by_from_name = {"device", "bitsandbytes_opts", "capture_slots"}
+    popped_by_from_name = {"device", "bitsandbytes_opts", "capture_slots", "adapter_paths"}
     assert cls.OPTIONS <= constructor | popped_by_from_name, "an option nothing accepts"
 
 
@@ -44,6 +44,15 @@ def test_worker_settings_become_options_only_for_backends_that_honour_them():
                        "timeout": 0.005}  # fmt: skip
     mock = WorkerSettings(model="m", backend="mock", backend_opts={"batch_delay_s": 0.1})
     assert backend_options(mock, backend_class("mock").OPTIONS) == {"batch_delay_s": 0.1}
+
+
+def test_only_a_backend_sized_for_its_adapters_at_start_is_given_their_directories():
+    adapters = {"b": "/models/b", "a": "/models/a"}
+    vllm = WorkerSettings(model="m", backend="vllm", adapters=adapters)
+    options = backend_options(vllm, backend_class("vllm").OPTIONS)
+    assert options == {"adapter_paths": ["/models/a", "/models/b"]}
+    hf = WorkerSettings(model="m", backend="hf", adapters=adapters)
+    assert "adapter_paths" not in backend_options(hf, AsyncTransformer.OPTIONS)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ into ``.engine-classes/``), the same sequences also run through vLLM's real ``In
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -25,12 +26,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmqueue.shared.errors import BadRequest, Cancelled, ModelError, TokenOutOfVocabulary
+from lmqueue.shared.errors import (
+    AdaptersUnsupported,
+    BadRequest,
+    Cancelled,
+    ModelError,
+    TokenOutOfVocabulary,
+    UnknownAdapter,
+)
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.workers.backends import engine_imports
 from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, import_engine
 from lmqueue.workers.backends.vllm import AsyncVirtualLM
-from lmqueue.workers.backends.vllm_engine import VLLMEngine
+from lmqueue.workers.backends.vllm_engine import VLLMEngine, lora_options
 from lmqueue.workers.backends.vllm_logits import (
     TAG_KEY,
     BatchRows,
@@ -457,11 +465,24 @@ def expected(tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(fake_logits(tokens), dim=-1)
 
 
+def adapter_shift(path: str | None) -> torch.Tensor:
+    """What a fake LoRA adapter adds to the logits (the base model: nothing)."""
+    if path is None:
+        return torch.zeros(VOCAB)
+    generator = torch.Generator().manual_seed(sum(path.encode()) % (2**31))
+    return torch.randn(VOCAB, generator=generator)
+
+
+def expected_under(tokens: list[int], path: str | None) -> torch.Tensor:
+    return torch.log_softmax(fake_logits(tokens) + adapter_shift(path), dim=-1)
+
+
 @dataclass
 class FakeRequest:
     request_id: str
     ids: list[int]
     params: Any
+    lora: Any = None
     computed: int = 0
 
 
@@ -485,13 +506,26 @@ class FakeVLLMEngine:
         self.forget = False
         self.shut_down = False
         self.prefix_resets: list[bool] = []
+        self.loras: dict[int, Any] = {}  # add_lora / remove_lora, by vLLM id
 
-    def add_request(self, request_id: str, prompt: dict[str, list[int]], p: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt: dict[str, list[int]], p: Any, lora_request: Any = None
+    ) -> None:
         if len(prompt["prompt_token_ids"]) > 40:
             raise ValueError("The decoder prompt is longer than the maximum model length")
         self.added.append(request_id)
         if not self.forget:  # forget: the engine loses requests without a word
-            self.requests[request_id] = FakeRequest(request_id, prompt["prompt_token_ids"], p)
+            ids = prompt["prompt_token_ids"]
+            self.requests[request_id] = FakeRequest(request_id, ids, p, lora_request)
+
+    def add_lora(self, lora: Any) -> bool:
+        if "bad" in lora.lora_path:
+            raise ValueError(f"Loading lora {lora.lora_name} failed: no adapter_config.json")
+        self.loras[lora.lora_int_id] = lora
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.loras.pop(lora_id, None) is not None
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -525,7 +559,10 @@ class FakeVLLMEngine:
         if not self.batch.num_reqs:
             return []
         logits = torch.stack(
-            [fake_logits(self._prefix(r, scheduled[r])) for r in self.batch.active()]
+            [
+                fake_logits(self._prefix(r, scheduled[r])) + self._shift(r)
+                for r in self.batch.active()
+            ]
         )
         before = logits.clone()
         assert self.processor.apply(logits) is logits and torch.equal(logits, before)
@@ -541,6 +578,10 @@ class FakeVLLMEngine:
             if take:
                 scheduled[req_id], budget = take, budget - take
         return scheduled
+
+    def _shift(self, req_id: str) -> torch.Tensor:
+        lora = self.requests[req_id].lora
+        return adapter_shift(None if lora is None else lora.lora_path)
 
     def _prefix(self, req_id: str, take: int) -> list[int]:
         request = self.requests[req_id]
@@ -559,6 +600,15 @@ class FakeVLLMEngine:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+def fake_lora_request(name: str, number: int, path: str) -> Any:
+    """vLLM's LoRARequest when it imports, else its three fields."""
+    if REAL is not None:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(lora_name=name, lora_int_id=number, lora_path=path)
+    return SimpleNamespace(lora_name=name, lora_int_id=number, lora_path=path)
 
 
 def _vocab() -> dict[str, Any]:
@@ -584,6 +634,7 @@ async def backend() -> Any:
             max_prompt_tokens=64,
             revision="fake",
             shutdown=engine.shutdown,
+            lora_request=fake_lora_request if kwargs.pop("lora", False) else None,
         )
         lm = AsyncVirtualLM(handle, None, **kwargs, **_vocab())
         built.append(lm)
@@ -764,9 +815,115 @@ def test_every_submit_racing_a_close_is_answered_or_refused() -> None:
         closer.start()
         for i in range(200):
             try:
-                lm._driver.submit([((i % 7 + 1,), answered.append)])
+                lm._driver.submit([((i % 7 + 1,), None, answered.append)])
             except Cancelled:
                 refused += 1
         closer.join(10)
         assert not lm._driver._thread.is_alive()
         assert len(answered) + refused == 200
+
+
+# -- LoRA adapters, on the fake engine -----------------------------------------------------------
+async def test_one_prompt_under_the_base_and_two_adapters_is_three_requests_in_one_step(
+    backend: Any, tmp_path: Any
+) -> None:
+    lm, engine = backend(lora=True, engine={"token_budget": 16, "max_num_seqs": 8})
+    paths = {name: str(tmp_path / name) for name in ("a", "b")}
+    for name, path in paths.items():
+        await lm.load_adapter(name, path)
+    assert lm.supports_adapters and lm.adapter_names == {"a", "b"}
+    prompt = [3, 1, 4, 1, 5]
+    engine.gate.clear()
+    tasks = [
+        asyncio.create_task(lm.next_token_logprobs(prompt, lora_name=name))
+        for name in (None, "a", "b", "a", None)
+    ]
+    await asyncio.sleep(0.05)
+    steps = engine.steps
+    engine.gate.set()
+    base, a, b, a_again, base_again = await asyncio.gather(*tasks)
+    assert engine.steps == steps + 1  # all three computed in one step
+    assert len(engine.added) == 3  # the repeats shared their adapter's request, nothing more
+    torch.testing.assert_close(base, expected_under(prompt, None))
+    torch.testing.assert_close(a, expected_under(prompt, paths["a"]))
+    torch.testing.assert_close(b, expected_under(prompt, paths["b"]))
+    assert torch.equal(a, a_again) and torch.equal(base, base_again)
+    assert not torch.allclose(a, b) and not torch.allclose(a, base)
+
+
+async def test_the_output_cache_and_the_sync_batch_key_on_the_adapter(
+    backend: Any, tmp_path: Any
+) -> None:
+    lm, engine = backend(lora=True, cache_size=8)
+    await lm.load_adapter("a", str(tmp_path / "a"))
+    base = await lm.next_token_logprobs([1, 2])
+    a = await lm.next_token_logprobs([1, 2], lora_name="a")
+    assert len(engine.added) == 2
+    torch.testing.assert_close(a, expected_under([1, 2], str(tmp_path / "a")))
+    assert (await lm.next_token_logprobs([1, 2], lora_name="a")) is a
+    assert (await lm.next_token_logprobs([1, 2])) is base and len(engine.added) == 2
+    rows = await asyncio.to_thread(lm.batch_next_token_logprobs_sync, [[1, 2], [3]], "a")
+    assert torch.equal(rows[0], a) and len(engine.added) == 3
+    torch.testing.assert_close(rows[1], expected_under([3], str(tmp_path / "a")))
+
+
+async def test_a_reloaded_adapter_is_new_to_vllm_and_its_old_rows_are_forgotten(
+    backend: Any, tmp_path: Any
+) -> None:
+    lm, engine = backend(lora=True, cache_size=8)
+    await lm.load_adapter("a", str(tmp_path / "v1"))
+    first = await lm.next_token_logprobs([1, 2], lora_name="a")
+    old_id = lm._loras["a"].lora_int_id
+    await lm.load_adapter("a", str(tmp_path / "v2"))
+    new = lm._loras["a"]
+    # a fresh id and vLLM-side name: vLLM's prefix cache keys blocks on the name and path
+    assert new.lora_int_id != old_id and new.lora_name == f"a#{new.lora_int_id}"
+    assert list(engine.loras) == [new.lora_int_id]  # the old one was removed from vLLM
+    second = await lm.next_token_logprobs([1, 2], lora_name="a")
+    torch.testing.assert_close(second, expected_under([1, 2], str(tmp_path / "v2")))
+    assert not torch.allclose(first, second)
+    await lm.unload_adapter("a")
+    assert engine.loras == {} and lm.adapter_names == frozenset()
+    with pytest.raises(UnknownAdapter, match="loaded: none"):
+        await lm.next_token_logprobs([1, 2], lora_name="a")
+    await lm.unload_adapter("a")  # not loaded: nothing to do
+
+
+async def test_an_adapter_vllm_refuses_is_a_model_error_and_nothing_is_served(
+    backend: Any, tmp_path: Any
+) -> None:
+    lm, engine = backend(lora=True)
+    with pytest.raises(ModelError, match="could not load adapter x"):
+        await lm.load_adapter("x", str(tmp_path / "bad"))
+    assert lm.adapter_names == frozenset() and engine.loras == {}
+    torch.testing.assert_close(await lm.next_token_logprobs([1]), expected([1]))
+
+
+async def test_an_engine_without_lora_serves_no_adapter_and_says_how_to_start_one(
+    backend: Any, tmp_path: Any
+) -> None:
+    lm, _ = backend()
+    assert not lm.supports_adapters
+    with pytest.raises(AdaptersUnsupported, match="--adapter"):
+        await lm.load_adapter("a", str(tmp_path / "a"))
+
+
+def _adapter_dir(root: Any, name: str, rank: Any) -> str:
+    directory = root / name
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(json.dumps({"r": rank}))
+    return str(directory)
+
+
+def test_lora_options_size_the_engine_for_the_adapters_it_starts_with(tmp_path: Any) -> None:
+    assert lora_options([]) == {}
+    two = [_adapter_dir(tmp_path, "a", 4), _adapter_dir(tmp_path, "b", 12)]
+    assert lora_options(two) == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 4}
+    many = [_adapter_dir(tmp_path, f"m{i}", 8) for i in range(6)]
+    assert lora_options(many) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 6}
+    with pytest.raises(BadRequest, match="rank 600"):
+        lora_options([_adapter_dir(tmp_path, "huge", 600)])
+    with pytest.raises(BadRequest, match="not a PEFT LoRA adapter"):
+        lora_options([str(tmp_path / "missing")])
+    with pytest.raises(BadRequest, match="not a PEFT LoRA adapter"):
+        lora_options([_adapter_dir(tmp_path, "no-rank", None)])

@@ -46,7 +46,7 @@ class AdapterSet:
         if own and not backend.supports_adapters:
             raise AdaptersUnsupported(
                 f"the {backend.backend_name} backend cannot serve LoRA adapters "
-                f"({', '.join(sorted(own))} given with --adapter); use --backend hf"
+                f"({', '.join(sorted(own))} given with --adapter); use --backend hf or vllm"
             )
         self.backend = backend
         self.registry = AdapterRegistry(redis, keys, model)

@@ -4,7 +4,9 @@
 options, ``engine_opts`` among them (see `workers.backends.options`). The worker's own
 batching settings become the defaults of a backend that batches by itself (hf: one stream
 batch becomes one forward), and ``--device`` goes to the backends that can place a model;
-anything a backend cannot honour is refused with `SettingsError` before loading starts.
+anything a backend cannot honour is refused with `SettingsError` before loading starts. A
+backend that must be sized for LoRA adapters when it starts (vllm) gets the directories of
+``--adapter`` as ``adapter_paths``; the worker loads the adapters themselves afterwards.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def backend_options(settings: WorkerSettings, accepted: frozenset[str]) -> dict[
                 "on a device by lmqueue (--device is for hf and sgl; vllm takes engine_opts)"
             )
         options.setdefault("device", settings.device)
+    if settings.adapters and "adapter_paths" in accepted:  # sized for its adapters at start
+        options.setdefault("adapter_paths", sorted(settings.adapters.values()))
     if "max_batch_tokens" in accepted:  # a backend that forms its own batches
         options.setdefault("batch_size", settings.batch_size)
         options.setdefault("max_batch_tokens", settings.max_batch_tokens)

@@ -6,6 +6,8 @@ once closed, validate prompts the same way, answer a prompt from the cache befor
 engine, compute each distinct prompt of a synchronous batch once, and wrap engine failures in
 `ModelError`. A subclass supplies only how one prompt is computed asynchronously
 (`_compute`) and how a set of distinct prompts is computed synchronously (`_compute_sync`).
+A result is stored under its adapter and its tokens: a backend that serves LoRA adapters
+(vLLM's) never answers one adapter's prompt with another's row.
 Both load a model from a HuggingFace directory: `engine_model_source` turns any lmqueue
 model name, the GGUF aliases included, into one.
 """
@@ -24,10 +26,20 @@ from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.validation import check_loaded_adapter
 
-__all__ = ["EngineBackend", "Key", "Result", "engine_error", "engine_model_source", "settle"]
+__all__ = [
+    "Adapter",
+    "EngineBackend",
+    "Key",
+    "Result",
+    "engine_error",
+    "engine_model_source",
+    "settle",
+]
 
 Key = tuple[int, ...]
 Result = torch.Tensor | BaseException
+#: The LoRA adapter a prompt is asked under (None: the base model).
+Adapter = str | None
 
 
 class EngineBackend(AsyncLM):
@@ -81,11 +93,11 @@ class EngineBackend(AsyncLM):
         """
         check_loaded_adapter(lora_name, self.adapter_names)
         key = self._checked(token_ids)
-        cached = self._cache_get(key)
+        cached = self._cache_get(key, lora_name)
         if cached is not None:
             return cached
-        result = await self._compute(key)
-        self._cache_put(key, result)
+        result = await self._compute(key, lora_name)
+        self._cache_put(key, lora_name, result)
         return result
 
     def next_token_logprobs_sync(
@@ -103,28 +115,29 @@ class EngineBackend(AsyncLM):
         results: dict[Key, torch.Tensor] = {}
         missing: dict[Key, None] = {}
         for key in keys:
-            cached = self._cache_get(key)
+            cached = self._cache_get(key, lora_name)
             if cached is not None:
                 results[key] = cached
             else:
                 missing[key] = None
         if missing:
-            computed = self._compute_sync(list(missing))
+            computed = self._compute_sync(list(missing), lora_name)
             for key in missing:
                 result = computed.get(key, ModelError("the engine returned no row for a prompt"))
                 if isinstance(result, BaseException):
                     raise result
                 results[key] = result
-                self._cache_put(key, result)
+                self._cache_put(key, lora_name, result)
         return torch.stack([results[key] for key in keys])
 
     @abstractmethod
-    async def _compute(self, key: Key) -> torch.Tensor:
-        """The engine's row for one validated, uncached prompt."""
+    async def _compute(self, key: Key, adapter: Adapter) -> torch.Tensor:
+        """The engine's row for one validated, uncached prompt under a loaded `adapter`."""
 
     @abstractmethod
-    def _compute_sync(self, keys: list[Key]) -> dict[Key, Result]:
-        """The engine's rows (or errors) for distinct validated prompts, in the calling thread."""
+    def _compute_sync(self, keys: list[Key], adapter: Adapter) -> dict[Key, Result]:
+        """The engine's rows (or errors) for distinct validated prompts under a loaded
+        `adapter`, in the calling thread."""
 
     # -- helpers -----------------------------------------------------------------------------------
     def _checked(self, token_ids: Any) -> Key:
@@ -133,16 +146,16 @@ class EngineBackend(AsyncLM):
             raise Cancelled("the backend is closed")
         return tuple(self.check_prompt(token_ids))
 
-    def _cache_get(self, key: Key) -> torch.Tensor | None:
+    def _cache_get(self, key: Key, adapter: Adapter) -> torch.Tensor | None:
         if self.cache is None:
             return None
         with self._cache_lock:
-            return self.cache.get(key)
+            return self.cache.get((adapter, key))
 
-    def _cache_put(self, key: Key, value: torch.Tensor) -> None:
+    def _cache_put(self, key: Key, adapter: Adapter, value: torch.Tensor) -> None:
         if self.cache is not None:
             with self._cache_lock:
-                self.cache[key] = value
+                self.cache[(adapter, key)] = value
 
     def _clear_results(self) -> None:
         if self.cache is not None:

@@ -24,7 +24,15 @@ import torch
 
 from lmqueue.shared.errors import Cancelled, ModelError
 
-from .engine_backend import EngineBackend, Key, Result, engine_error, engine_model_source, settle
+from .engine_backend import (
+    Adapter,
+    EngineBackend,
+    Key,
+    Result,
+    engine_error,
+    engine_model_source,
+    settle,
+)
 from .engine_imports import SGLANG, require
 from .options import check_options, gpu_index
 from .sgl_engine import SGLEngine, build_sgl_engine
@@ -93,7 +101,8 @@ class AsyncSGLTransformer(EngineBackend):
         return cls(handle, tokenizer, **options)
 
     # -- asynchronous queries ------------------------------------------------------------------
-    async def _compute(self, key: Key) -> torch.Tensor:
+    async def _compute(self, key: Key, adapter: Adapter) -> torch.Tensor:
+        # `adapter` is always None: this backend loads none, and EngineBackend refuses others
         future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
         waiters = self._pending.get(key)
         if waiters is not None:  # queued or in flight already: wait for that computation
@@ -156,7 +165,7 @@ class AsyncSGLTransformer(EngineBackend):
                 settle(future, result)
 
     # -- synchronous queries -------------------------------------------------------------------
-    def _compute_sync(self, keys: list[Key]) -> dict[Key, Result]:
+    def _compute_sync(self, keys: list[Key], adapter: Adapter) -> dict[Key, Result]:
         rows: dict[Key, Result] = self._on_engine_thread(self._handle.compute, keys)
         return rows
 

@@ -1,9 +1,10 @@
 """`EngineThread`: the one thread that calls an in-process vLLM engine.
 
-It runs closures other threads queue (adding requests, resetting caches), steps the engine
-while requests are live, and gives each finished request's row to every caller waiting for that
-prompt. Rows finished in one step are normalized together: one ``log_softmax`` over the stacked
-rows and one copy to the CPU per step, however many requests finished in it.
+It runs closures other threads queue (adding requests, resetting caches, loading LoRA
+adapters), steps the engine while requests are live, and gives each finished request's row to
+every caller waiting for that prompt under that adapter (the same tokens under two adapters are
+two requests). Rows finished in one step are normalized together: one ``log_softmax`` over the
+stacked rows and one copy to the CPU per step, however many requests finished in it.
 
 Every caller gets an answer or an error on every path: a closure queued after the thread's
 final drain would never run, so queuing and the thread's "stopping" flag share a lock, and
@@ -27,11 +28,13 @@ from lmqueue.shared.errors import BadRequest, Cancelled, ModelError
 from .engine_backend import Key, Result, engine_error
 from .vllm_engine import VLLMEngine
 
-__all__ = ["EngineThread", "Resolver"]
+__all__ = ["EngineThread", "Query", "Resolver"]
 
 logger = logging.getLogger(__name__)
 
 Resolver = Callable[[Result], None]
+#: One query: its tokens, vLLM's ``LoRARequest`` (None: the base model) and who gets its row.
+Query = tuple[Key, Any, Resolver]
 
 
 class EngineThread:
@@ -43,15 +46,15 @@ class EngineThread:
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders queuing against the thread's final drain
         self._tags = (f"lmq-{n}" for n in itertools.count())
-        self._by_key: dict[Key, str] = {}
-        self._live: dict[str, tuple[Key, list[Resolver]]] = {}
+        self._by_key: dict[tuple[str | None, Key], str] = {}  # (vLLM adapter name, tokens)
+        self._live: dict[str, tuple[tuple[str | None, Key], list[Resolver]]] = {}
         self._stopping = False
         self._reset_prefix_cache = False  # asked for while requests ran: done once idle
         self._thread = threading.Thread(target=self._run, name="lmq-vllm-engine", daemon=True)
         self._thread.start()
 
     # -- any thread -------------------------------------------------------------------------------
-    def submit(self, queries: list[tuple[Key, Resolver]]) -> None:
+    def submit(self, queries: list[Query]) -> None:
         """Queue prompts; each resolver receives the row or the error.
 
         Raises:
@@ -59,8 +62,8 @@ class EngineThread:
         """
 
         def add_all() -> None:
-            for key, resolve in queries:
-                self._add(key, resolve)
+            for key, lora, resolve in queries:
+                self._add(key, lora, resolve)
 
         if queries:
             self._put(add_all)
@@ -145,26 +148,31 @@ class EngineThread:
         if self._reset_prefix_cache and not self._live:
             self._reset_prefix_cache = not self._engine.reset_prefix_cache()
 
-    def _add(self, key: Key, resolve: Resolver) -> None:
+    def _add(self, key: Key, lora: Any, resolve: Resolver) -> None:
         if self._stopping:
             resolve(Cancelled("the backend closed"))
             return
-        tag = self._by_key.get(key)
-        if tag is not None:  # the same prompt is in flight: share its row
+        query = (None if lora is None else lora.lora_name, key)
+        tag = self._by_key.get(query)
+        if tag is not None:  # the same prompt under the same adapter is in flight: share it
             self._live[tag][1].append(resolve)
             return
         tag = next(self._tags)
         try:
             prompt = {"type": "token", "prompt_token_ids": list(key)}  # vllm.inputs.TokensInput
-            self._engine.add_request(tag, prompt, self._handle.sampling_params(tag))
+            params = self._handle.sampling_params(tag)
+            if lora is None:
+                self._engine.add_request(tag, prompt, params)
+            else:
+                self._engine.add_request(tag, prompt, params, lora_request=lora)
         except ValueError as exc:  # vLLM's own input checks (VLLMValidationError among them)
             resolve(BadRequest(f"vLLM refused the prompt: {exc}"))
             return
         except Exception as exc:
             resolve(engine_error("vLLM", exc))
             return
-        self._by_key[key] = tag
-        self._live[tag] = (key, [resolve])
+        self._by_key[query] = tag
+        self._live[tag] = (query, [resolve])
 
     def _step(self) -> None:
         try:
@@ -196,8 +204,8 @@ class EngineThread:
                 rows[output.request_id] = row
         results.update(_normalized(rows))
         for tag, result in results.items():
-            key, resolvers = self._live.pop(tag)
-            self._by_key.pop(key, None)
+            query, resolvers = self._live.pop(tag)
+            self._by_key.pop(query, None)
             for resolve in resolvers:
                 resolve(result)
 

@@ -18,9 +18,13 @@ at build time and never at import time:
   step's) then recomputes every prompt whole -- measured here on 16 particles x 12 steps from
   a 100-token prompt: 1.6 calls/s (391 ms CPU per call) with 128, 24.6 (40 ms) with 32.
   ``engine_opts`` override each of these.
+- LoRA adapters need the engine sized for them at start: `lora_options` turns the adapters a
+  worker is started with into ``enable_lora`` and the smallest ``max_lora_rank`` vLLM accepts
+  that holds the largest of their ranks; room for `LORA_SLOTS` adapters in one batch.
 
 Public vLLM surface used: ``vllm.EngineArgs``, ``vllm.LLMEngine`` (``add_request``, ``step``,
-``abort_request``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_metrics``),
+``abort_request``, ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_metrics``,
+``add_lora``, ``remove_lora``), ``vllm.lora.request.LoRARequest``,
 ``vllm.SamplingParams`` with ``extra_args``, ``RequestOutputKind``, the custom logits
 processor base ``vllm.v1.sample.logits_processor.LogitsProcessor`` and
 ``vllm.platforms.current_platform.is_cpu()``. Private names it cannot avoid, each pinned by
@@ -38,9 +42,11 @@ processor base ``vllm.v1.sample.logits_processor.LogitsProcessor`` and
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lmqueue.shared.errors import BadRequest, ModelError
@@ -48,7 +54,15 @@ from lmqueue.shared.errors import BadRequest, ModelError
 from .engine_imports import VLLM, import_engine
 from .vllm_logits import TAG_KEY, RowSink, capture_processor_class
 
-__all__ = ["VLLMEngine", "build_vllm_engine", "VLLM_DEFAULTS", "CPU_DEFAULTS", "omp_threads"]
+__all__ = [
+    "VLLMEngine",
+    "build_vllm_engine",
+    "VLLM_DEFAULTS",
+    "CPU_DEFAULTS",
+    "LORA_SLOTS",
+    "lora_options",
+    "omp_threads",
+]
 
 #: EngineArgs defaults; `engine_opts` override them.
 VLLM_DEFAULTS: dict[str, Any] = {
@@ -66,6 +80,44 @@ CPU_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Distinct LoRA adapters one engine step may serve (``max_loras``), at least: the base model
+#: and three fine-tunes in one batch is the workload adapters are for.
+LORA_SLOTS = 4
+
+#: The ranks vLLM 0.32's LoRA kernels accept (``vllm.config.lora.MaxLoRARanks``).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_options(adapter_paths: Iterable[str | Path]) -> dict[str, Any]:
+    """EngineArgs that let the engine serve the PEFT adapters in `adapter_paths` (none: {}).
+
+    The rank bound is the smallest vLLM accepts that holds every adapter's ``r`` (a larger
+    bound costs memory and time per step); adapters added later must fit it.
+
+    Raises:
+        BadRequest: an adapter directory without a readable ``adapter_config.json``, or of a
+            rank larger than vLLM serves.
+    """
+    paths = list(adapter_paths)
+    if not paths:
+        return {}
+    ranks = []
+    for path in paths:
+        try:
+            config = json.loads((Path(path) / "adapter_config.json").read_text())
+            ranks.append(int(config["r"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BadRequest(f"{path} is not a PEFT LoRA adapter: {exc}") from exc
+    fitting = [rank for rank in LORA_RANKS if rank >= max(ranks)]
+    if not fitting:
+        raise BadRequest(f"LoRA rank {max(ranks)} is above the {LORA_RANKS[-1]} vLLM serves")
+    return {
+        "enable_lora": True,
+        "max_lora_rank": fitting[0],
+        "max_loras": max(LORA_SLOTS, len(paths)),
+    }
+
+
 @dataclass(frozen=True)
 class VLLMEngine:
     """An in-process vLLM engine whose capture processor writes to `sink`."""
@@ -77,6 +129,8 @@ class VLLMEngine:
     max_prompt_tokens: int
     revision: str
     shutdown: Callable[[], None]
+    #: ``(vLLM-side name, int id, path) -> LoRARequest``; None: the engine has no LoRA.
+    lora_request: Callable[[str, int, str], Any] | None = None
 
 
 def omp_threads(environ: dict[str, str] | os._Environ[str], cores: int) -> int:
@@ -149,6 +203,13 @@ def build_vllm_engine(model: str, engine_opts: dict[str, Any] | None = None) -> 
             extra_args={TAG_KEY: tag},
         )
 
+    lora_request = None
+    if config.lora_config is not None:
+        lora_class = import_engine(VLLM, "vllm.lora.request").LoRARequest
+
+        def lora_request(name: str, number: int, path: str) -> Any:
+            return lora_class(lora_name=name, lora_int_id=number, lora_path=path)
+
     model_config = config.model_config
     return VLLMEngine(
         engine=engine,
@@ -158,6 +219,7 @@ def build_vllm_engine(model: str, engine_opts: dict[str, Any] | None = None) -> 
         max_prompt_tokens=int(model_config.max_model_len) - 1,  # room for the sampled token
         revision=f"vllm-{model_config.dtype}".replace("torch.", ""),
         shutdown=shutdown,
+        lora_request=lora_request,
     )
 
 

@@ -16,13 +16,17 @@ machine loaded by other work, an OpenMP team of two threads spins against the lo
 forward took ~25x longer than with one thread (measured here, load average ~9 on 2 cores).
 
 Four client processes run the workload of `workload.Workload` (own prompt variant each) at
-once, as in ``lmq bench programs``; reported: aggregate calls/s and the sum of every process's
-peak RSS (workers and clients). Then, on the adapters worker, a **mixed batch** (the same
-number of prompts for each of the four, all sent at once) against the **same requests one
-adapter at a time** (each adapter's prompts sent and awaited before the next): calls/s. The
-prompts are SMC-like steps: each adapter's own ``--prompt-tokens`` stem (computed once,
-before timing, so its KV is cached per adapter) plus one fresh token, never asked before, so
-no result cache answers any of them and each row computes one token.
+once, as in ``lmq bench programs``; reported: aggregate calls/s, the workers' summed peak RSS
+(the serving cost the comparison is about: four workers against one; the ``memory`` ratio)
+and, beside it, the sum over every process, clients included (``memory_with_clients``: the
+four clients are the same processes on both sides, ~160 MiB each, so they pull that ratio
+toward 1). ``--batch-size`` is every worker's batch size (the worker's default: 32 rows).
+Then, on the adapters worker, a **mixed batch** (the same number of prompts for each of the
+four, all sent at once) against the **same requests one adapter at a time** (each adapter's
+prompts sent and awaited before the next): calls/s. The prompts are SMC-like steps: each
+adapter's own ``--prompt-tokens`` stem (computed once, before timing, so its KV is cached per
+adapter) plus one fresh token, never asked before, so no result cache answers any of them and
+each row computes one token.
 
 The adapters are random (PEFT, ``init_lora_weights=False``) on attention and MLP projections:
 the compute per token is that of a real rank-`rank` LoRA; their outputs mean nothing.
@@ -56,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters")
     parser.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="every worker's batch size (default: 32)"
+    )
     parser.add_argument("--particles", type=int, default=16)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompt-tokens", type=int, default=100)
@@ -83,14 +90,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report.figure("mixed_batch", mixed, line=_mixed_line(mixed))
     ratios = {
         "calls_per_s": round(adapter_side["calls_per_s"] / merged_side["calls_per_s"], 3),
-        "memory": round(adapter_side["peak_rss_bytes"] / merged_side["peak_rss_bytes"], 3),
+        "memory": round(
+            adapter_side["workers_peak_rss_bytes"] / merged_side["workers_peak_rss_bytes"], 3
+        ),
+        "memory_with_clients": round(
+            adapter_side["peak_rss_bytes"] / merged_side["peak_rss_bytes"], 3
+        ),
         "mixed_over_sequential": round(
             mixed["mixed_calls_per_s"] / mixed["sequential_calls_per_s"], 3
         ),
     }
     summary = (
         f"adapters ratio 1 worker + 3 adapters / 4 merged workers: {ratios['calls_per_s']:.2f}x "
-        f"calls/s, {ratios['memory']:.2f}x memory; mixed batch / one adapter at a time: "
+        f"calls/s, {ratios['memory']:.2f}x workers' memory ({ratios['memory_with_clients']:.2f}x "
+        "with the clients); mixed batch / one adapter at a time: "
         f"{ratios['mixed_over_sequential']:.2f}x calls/s  "
         "[target: calls/s >= 1.0x, memory <= 0.35x]"
     )
@@ -114,7 +127,9 @@ def _make_models(
 def _merged_round(args: argparse.Namespace, url: str, models: list[str]) -> dict[str, Any]:
     """Program i against its own worker serving model i."""
     threads = args.worker_threads
-    workers = [_worker(m, url, f"merged-{i}", threads) for i, m in enumerate(models)]
+    workers = [
+        _worker(m, url, f"merged-{i}", threads, _batch_args(args)) for i, m in enumerate(models)
+    ]
     try:
         for worker, model in zip(workers, models, strict=True):
             asyncio.run(wait_for_workers(url, model, [worker]))
@@ -131,7 +146,7 @@ def _adapters_round(
     """Program i against one worker, bound to adapter i; then the mixed-batch comparison."""
     specs = [arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}")]
     threads = args.worker_threads
-    worker = _worker(args.model, url, "adapters", threads, specs)
+    worker = _worker(args.model, url, "adapters", threads, [*specs, *_batch_args(args)])
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))
         names: list[str | None] = [None, *adapters]
@@ -141,6 +156,10 @@ def _adapters_round(
         return figures, mixed
     finally:
         worker.stop(timeout_s=15)
+
+
+def _batch_args(args: argparse.Namespace) -> list[str]:
+    return [] if args.batch_size is None else ["--batch-size", str(args.batch_size)]
 
 
 def _worker(model: str, url: str, name: str, threads: int, extra: list[str] | None = None) -> Any:
@@ -225,10 +244,11 @@ async def _ask(lm: Any, name: str | None, prompts: list[list[int]]) -> None:
 
 
 def _line(side: str, f: dict[str, Any]) -> str:
-    mib = f["peak_rss_bytes"] / 2**20
+    mib, workers_mib = f["peak_rss_bytes"] / 2**20, f["workers_peak_rss_bytes"] / 2**20
     return (
         f"{side:<8} {f['workers']} worker(s): {f['calls_per_s']:7.2f} calls/s aggregate "
-        f"({f['calls']} calls in {f['wall_s']:.1f} s), peak RSS summed {mib:8.1f} MiB"
+        f"({f['calls']} calls in {f['wall_s']:.1f} s), peak RSS summed: workers "
+        f"{workers_mib:8.1f} MiB, with the clients {mib:8.1f} MiB"
     )
 
 

@@ -9,9 +9,9 @@ with that venv's python). All in one run, on the same CPU, one side at a time:
 * ``plain``: the same prompts (the workload's prompt extended by two tokens, in waves of one
   SMC step's particles) through the vLLM worker and through plain vLLM in a child process
   asked for full-vocabulary rows the documented way (`plain_vllm`). Target >= 10x.
-* ``genlm``: the SMC workload on genlm-backend 0.3.1's in-process ``AsyncTransformer`` over a
-  small grid of its ``batch_size`` x ``timeout`` knobs; the vLLM worker is compared with the
-  best of the grid.
+* ``genlm``: the SMC workload on genlm-backend 0.3.1's in-process ``AsyncTransformer`` on every
+  point of `anchor_grid` (the grid of its ``batch_size`` x ``timeout`` knobs that ``lmq bench
+  model`` and ``programs`` use); the vLLM worker is compared with the best point.
 
 Ratios are printed last.
 """
@@ -34,7 +34,7 @@ import numpy as np
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .anchor_grid import AnchorConfig
+from .anchor_grid import AnchorConfig, grid
 from .model import one_torch_thread, run_genlm
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
@@ -43,7 +43,6 @@ from .workload import Workload, result_figures
 __all__ = ["add_arguments", "run", "main"]
 
 #: genlm-backend AsyncTransformer knobs tried: (batch_size, timeout in s).
-GENLM_GRID = ((16, 0.001), (16, 0.02), (32, 0.001), (32, 0.02))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,9 +92,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.figure("plain.vllm_documented", plain, line=_line("plain.vllm_documented", plain))
     model = load_causal_lm(args.model)
     genlm = {
-        grid: _timed(report, f"genlm.b{grid[0]}_t{grid[1]}", run_genlm(model, tokenizer, workload,
-                     AnchorConfig(*grid)), args.timeout_s)
-        for grid in GENLM_GRID
+        point: _timed(report, f"genlm.b{point.batch_size}_t{point.timeout_s:g}",
+                      run_genlm(model, tokenizer, workload, point), args.timeout_s)
+        for point in grid(args.particles)
     }  # fmt: skip
     return report.finish(*_ratios(smc, ours, plain, genlm), args.out_dir)
 
@@ -196,7 +195,7 @@ def _ratios(
     smc: dict[str, dict[str, Any]],
     ours: dict[str, Any],
     plain: dict[str, Any],
-    genlm: dict[tuple[int, float], dict[str, Any]],
+    genlm: dict[AnchorConfig, dict[str, Any]],
 ) -> tuple[dict[str, float | None], str]:
     best_grid, best = max(genlm.items(), key=lambda item: item[1]["calls_per_s"])
     vllm_per_s = smc["vllm"]["calls_per_s"]
@@ -208,7 +207,7 @@ def _ratios(
     summary = (
         f"engines ratio: vllm worker/hf worker {ratios['vllm_worker_over_hf_worker']:.2f}x, "
         f"vllm worker/plain vLLM {ratios['vllm_worker_over_plain_vllm']:.2f}x [target >= 10x], "
-        f"vllm worker/genlm best (batch {best_grid[0]}, timeout {best_grid[1]}) "
+        f"vllm worker/genlm best (batch {best_grid.batch_size}, timeout {best_grid.timeout_s:g}) "
         f"{ratios['vllm_worker_over_genlm_best']:.2f}x"
     )
     return ratios, summary

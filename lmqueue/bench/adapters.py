@@ -11,9 +11,12 @@ three as LoRA adapters, and requests of all four share its batches. In one run, 
 * ``adapters``: 1 hf worker process with ``--adapter`` x 3; program i connects to the base
   model bound to adapter i (the base for i = 0).
 
-Every worker runs ``--worker-threads`` torch threads (``OMP_NUM_THREADS``, default 1): on a
-machine loaded by other work, an OpenMP team of two threads spins against the load and a
-forward took ~25x longer than with one thread (measured here, load average ~9 on 2 cores).
+Each side gets the machine's cores: a worker runs ``cores // workers`` torch threads (at least
+one; ``OMP_NUM_THREADS``), so the adapters worker runs one per core and each of the four merged
+workers one, as ``lmq bench programs`` splits threads over its genlm copies.
+``--worker-threads N`` gives every worker N instead: on a machine loaded by other work an
+OpenMP team spins against the load (a forward took ~25x longer with two threads than with one
+at load ~9 here), and one thread each is the steadier comparison there.
 
 Four client processes run the workload of `workload.Workload` (own prompt variant each) at
 once, as in ``lmq bench programs``; reported: aggregate calls/s, the workers' summed peak RSS
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -59,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank of the adapters")
-    parser.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
+    parser.add_argument(
+        "--worker-threads", type=int, default=None,
+        help="torch threads of every worker (default: cores // workers of the side, >= 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--batch-size", type=int, default=None, help="every worker's batch size (default: 32)"
     )
@@ -126,7 +133,7 @@ def _make_models(
 
 def _merged_round(args: argparse.Namespace, url: str, models: list[str]) -> dict[str, Any]:
     """Program i against its own worker serving model i."""
-    threads = args.worker_threads
+    threads = _threads(args, len(models))
     workers = [
         _worker(m, url, f"merged-{i}", threads, _batch_args(args)) for i, m in enumerate(models)
     ]
@@ -145,7 +152,7 @@ def _adapters_round(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Program i against one worker, bound to adapter i; then the mixed-batch comparison."""
     specs = [arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}")]
-    threads = args.worker_threads
+    threads = _threads(args, 1)
     worker = _worker(args.model, url, "adapters", threads, [*specs, *_batch_args(args)])
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))
@@ -156,6 +163,13 @@ def _adapters_round(
         return figures, mixed
     finally:
         worker.stop(timeout_s=15)
+
+
+def _threads(args: argparse.Namespace, workers: int) -> int:
+    """Torch threads of each of a side's `workers`: the machine's cores split over them."""
+    if args.worker_threads is not None:
+        return int(args.worker_threads)
+    return max(1, len(os.sched_getaffinity(0)) // workers)
 
 
 def _batch_args(args: argparse.Namespace) -> list[str]:

@@ -42,8 +42,6 @@ from .workload import Workload, result_figures
 
 __all__ = ["add_arguments", "run", "main"]
 
-#: genlm-backend AsyncTransformer knobs tried: (batch_size, timeout in s).
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""

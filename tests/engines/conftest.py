@@ -8,7 +8,7 @@ fixtures and tests, so collecting this directory never needs it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
 
 
-def vllm_worker(redis_url: str, name: str, log_dir: Path, **env: str) -> WorkerProcess:
-    """A ``lmq worker --backend vllm`` process on SmolLM2-135M (started, not yet live)."""
+def vllm_worker(
+    redis_url: str, name: str, log_dir: Path, extra_args: Sequence[str] = (), **env: str
+) -> WorkerProcess:
+    """A ``lmq worker --backend vllm`` process on SmolLM2-135M (started, not yet live);
+    `extra_args` are further worker flags (``--adapter``)."""
     return WorkerProcess(
         MODEL,
         "vllm",
@@ -71,6 +74,7 @@ def vllm_worker(redis_url: str, name: str, log_dir: Path, **env: str) -> WorkerP
         backend_opts={"engine_opts": ENGINE_OPTS},
         env={**WORKER_ENV, **env},
         log_dir=log_dir,
+        extra_args=extra_args,
     ).start()
 
 

@@ -22,10 +22,9 @@ from lora_adapters import make_adapter, peft_reference, reference_logprobs
 
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import UnknownAdapter
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.models import hf_directory
 
-from .conftest import ENGINE_OPTS, MODEL, WORKER_ENV, wait_live
+from .conftest import MODEL, vllm_worker, wait_live
 
 NAMES = [None, "a", "b"]
 
@@ -48,16 +47,12 @@ def adapter_worker(
     engine_redis: str, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Any:
     """A vLLM worker started with adapters a and b (c is added while it runs)."""
-    worker = WorkerProcess(
-        MODEL,
-        "vllm",
+    worker = vllm_worker(
         engine_redis,
         "vllm-lora",
-        backend_opts={"engine_opts": ENGINE_OPTS},
-        env=WORKER_ENV,
-        log_dir=tmp_path_factory.mktemp("vllm-lora-logs"),
+        tmp_path_factory.mktemp("vllm-lora-logs"),
         extra_args=["--adapter", f"a={adapters['a']}", "--adapter", f"b={adapters['b']}"],
-    ).start()
+    )
     try:
         wait_live(engine_redis, [worker])
         yield worker

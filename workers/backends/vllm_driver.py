@@ -161,10 +161,7 @@ class EngineThread:
         try:
             prompt = {"type": "token", "prompt_token_ids": list(key)}  # vllm.inputs.TokensInput
             params = self._handle.sampling_params(tag)
-            if lora is None:
-                self._engine.add_request(tag, prompt, params)
-            else:
-                self._engine.add_request(tag, prompt, params, lora_request=lora)
+            self._engine.add_request(tag, prompt, params, lora_request=lora)
         except ValueError as exc:  # vLLM's own input checks (VLLMValidationError among them)
             resolve(BadRequest(f"vLLM refused the prompt: {exc}"))
             return

@@ -203,13 +203,12 @@ def build_vllm_engine(model: str, engine_opts: dict[str, Any] | None = None) -> 
             extra_args={TAG_KEY: tag},
         )
 
-    lora_request = None
-    if config.lora_config is not None:
-        lora_class = import_engine(VLLM, "vllm.lora.request").LoRARequest
-
-        def lora_request(name: str, number: int, path: str) -> Any:
-            return lora_class(lora_name=name, lora_int_id=number, lora_path=path)
-
+    # LoRARequest(lora_name, lora_int_id, lora_path): its fields in that order
+    lora_request = (
+        import_engine(VLLM, "vllm.lora.request").LoRARequest
+        if config.lora_config is not None
+        else None
+    )
     model_config = config.model_config
     return VLLMEngine(
         engine=engine,

@@ -141,3 +141,27 @@ def test_adjusting_a_charge_moves_the_counter_by_cost_over_weight() -> None:
     share.adjust("a", share.cost_of(0, 0) - pick.charged)  # a cache hit: nothing computed
     assert share.counter("a") == pytest.approx(0) and share.served_cost("a") == pytest.approx(0)
     share.adjust("unknown", 5)  # a tenant the scheduler never saw: nothing to correct
+
+
+def test_a_returning_tenant_keeps_the_credit_it_is_given_and_no_more() -> None:
+    share: FairShare[int] = FairShare()
+    _flood(share, "a", 10_000)
+    share.add("b", 0, 10)
+    share.pick(2)
+    _serve(share, 100)  # b idle while a runs on: b's counter falls far behind a's
+    behind = share.counter("a") - share.counter("b")
+    assert behind > 100
+    share.add("b", 1, 10, credit=30.0)  # a closed loop back from its replies
+    assert share.counter("b") == pytest.approx(share.counter("a") - 30.0)
+    picks = share.pick(3)  # ahead of a by its credit: first, and only as far as the credit
+    assert [p.tenant for p in picks] == ["b", "a", "a"]
+
+
+def test_credit_is_divided_by_weight_like_any_cost() -> None:
+    share: FairShare[int] = FairShare(weights={"a": 1.0, "b": 2.0})
+    _flood(share, "a", 1000)
+    share.add("b", 0, 10)
+    share.pick(1)
+    _serve(share, 20)
+    share.add("b", 1, 10, credit=40.0)
+    assert share.counter("b") == pytest.approx(share.counter("a") - 20.0)

@@ -114,13 +114,19 @@ class FairShare(Generic[T]):
         return [tenant for tenant in tenants if self.backlog(tenant) < depth]
 
     # -- requests ----------------------------------------------------------------------------------
-    def add(self, tenant: str, item: T, tokens: int) -> None:
-        """Queue one request of `tokens` prompt tokens; lift a returning tenant's counter."""
+    def add(self, tenant: str, item: T, tokens: int, credit: float = 0.0) -> None:
+        """Queue one request of `tokens` prompt tokens; lift a returning tenant's counter.
+
+        `credit` (cost units) is how much of what it was owed a tenant coming back from idle
+        keeps: a closed loop idles only between its replies and its next calls, each round,
+        and lifted to the others' level every time it would get less than its share though
+        it asks for no more (the caller bounds the credit: one batch's worth at most).
+        """
         state = self._tenants.get(tenant)
         if state is None:
             state = self._tenants[tenant] = _Tenant(1.0, self._lift_level())
         elif not state.queue:
-            state.counter = max(state.counter, self._lift_level())
+            state.counter = max(state.counter, self._lift_level() - credit / state.weight)
         state.queue.append((item, tokens))
 
     def cost(self, tokens: int) -> float:

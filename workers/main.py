@@ -49,6 +49,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--name", help="stable consumer name (LMQ_NAME), default host-pid")
     parser.add_argument("--batch-size", type=int, help="entries per read (LMQ_BATCH_SIZE)")
     parser.add_argument("--max-wait-ms", type=int, help="wait to fill a batch (LMQ_MAX_WAIT_MS)")
+    parser.add_argument(
+        "--anticipate-ms", type=int,
+        help="hold a busy worker's next batch for a returning tenant (LMQ_ANTICIPATE_MS; 0: off)",
+    )  # fmt: skip
     parser.add_argument("--device", help="torch device for hf, e.g. cuda:0 (LMQ_DEVICE)")
     parser.add_argument("--backend-opts", help="JSON object of backend options (LMQ_BACKEND_OPTS)")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... (LMQ_LOG_LEVEL)")
@@ -83,8 +87,8 @@ def settings_from_args(
     if args.cache_url:
         redis = replace(redis, cache_url=args.cache_url)
     overrides: dict[str, Any] = {"redis": redis}
-    names = ("model", "backend", "name", "batch_size", "max_wait_ms", "device", "log_level",
-             "metrics_port", "metrics_host", "partitions")  # fmt: skip
+    names = ("model", "backend", "name", "batch_size", "max_wait_ms", "anticipate_ms", "device",
+             "log_level", "metrics_port", "metrics_host", "partitions")  # fmt: skip
     for name in names:
         value = getattr(args, name)
         if value is not None:

@@ -10,9 +10,10 @@ batches concurrent calls into one forward.
 The loop hands each batch to a task, keeping at most `prefetch` batches in flight. While the
 backend computes one batch (off the loop, on its own thread or device), the loop waits; it
 reads and picks the next batch only when the backend is about to be done with the current one
-(`late_binding`), so requests arriving meanwhile can still join it; the batch is decoded and
-looked up in the cache while the forward ends, and replying to one batch overlaps the next
-one's forward. Entries are read only just before they are picked: read and left waiting in
+(`late_binding`), so requests arriving meanwhile can still join it, and holds it a moment
+for a tenant whose calls the ending forward answered and whose next calls are on their way
+(`anticipation`: a closed loop's next step). A batch is decoded and looked up in the cache
+while the forward ends, and replying to one batch overlaps the next one's forward. Entries are read only just before they are picked: read and left waiting in
 the scheduler through a long forward, they would pass the claim timeout unattended. Beside
 the read loop run the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that
 reclaims entries abandoned by dead workers.
@@ -39,6 +40,7 @@ from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from lmqueue.shared.settings import WorkerSettings
 
 from .adapter_set import AdapterSet
+from .anticipation import ReturningTenants
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
@@ -95,6 +97,7 @@ class Worker:
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self.slot = BackendSlot()
+        self.returning = ReturningTenants(settings.anticipate_ms / 1000)
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
             self.lanes, self.scheduler, self.adapters,
@@ -248,6 +251,8 @@ class Worker:
                 if self.slot.pick_in_s() != 0.0:  # pick when the backend is about to be done
                     await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)
                     continue
+                if await self._await_returning():  # a returning tenant's calls may join it
+                    continue
                 picks = await bounded(
                     self._read_batch(block_ms=_IDLE_BLOCK_MS),
                     _IDLE_BLOCK_MS / 1000 + self.settings.redis.stall_timeout_s,
@@ -260,8 +265,33 @@ class Worker:
             if picks:
                 self._start(picks)
 
+    async def _await_returning(self) -> bool:
+        """Hold the next pick a moment for tenants whose calls the last batch answered
+        (`anticipation`), reading their streams meanwhile; whether it was held."""
+        hold, wait_s = self.returning.waiting(self.scheduler.backlog)
+        if not hold:
+            return False
+        if wait_s is None and not self._inflight:  # a batch failed before replying
+            self.returning.forget_unreplied()
+        elif wait_s is None:  # their replies are not written yet
+            await self.returning.wait_for_reply(_IDLE_BLOCK_MS / 1000)
+        else:
+            block_ms = max(round(wait_s * 1000), 1)
+            await bounded(
+                self._read_into_scheduler(block_ms),
+                block_ms / 1000 + self.settings.redis.stall_timeout_s,
+                "request read",
+            )
+        return True
+
     def _start(self, picks: list[Pick[tuple[Lane, Entry]]]) -> None:
         """Answer a batch in a task; it holds the backend slot until its forward is done."""
+        calls: dict[str, tuple[int, float]] = {}
+        for pick in picks:
+            n, cost = calls.get(pick.tenant, (0, 0.0))
+            calls[pick.tenant] = (n + 1, cost + pick.charged)
+        for tenant, (n, cost) in calls.items():
+            self.returning.sent(tenant, n, cost)
         release = self.slot.hold()
         task = asyncio.create_task(self._handle(picks, computed=release))
         self._inflight.add(task)
@@ -303,8 +333,9 @@ class Worker:
                 await lane.writer.flush(refused)
                 self.answered += len(refused.acks)
             self.scheduler.set_weight(lane.tenant, lane.weight)
+            credit = self.returning.credit(lane.tenant)
             for entry in entries:
-                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry))
+                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(
@@ -327,7 +358,7 @@ class Worker:
         results = await asyncio.gather(
             *(
                 self._handle_lane(lane, entries, charged[stream], forward.part())
-                for stream, (lane, entries) in parts.items()
+                for stream, (lane, entries) in sorted(parts.items(), key=_smallest_first)
             ),
             return_exceptions=True,
         )
@@ -350,13 +381,16 @@ class Worker:
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
-            outcome = await lane.processor.process(entries, forward)
-        finally:
-            keepalive.cancel()
-            await asyncio.gather(keepalive, return_exceptions=True)
-        cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
-        self.scheduler.adjust(lane.tenant, cost - charged)
-        await lane.writer.flush(outcome)
+            try:
+                outcome = await lane.processor.process(entries, forward)
+            finally:
+                keepalive.cancel()
+                await asyncio.gather(keepalive, return_exceptions=True)
+            cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
+            self.scheduler.adjust(lane.tenant, cost - charged)
+            await lane.writer.flush(outcome)
+        finally:  # replied, or never will be: either way its wait for the tenant may start
+            self.returning.replied(lane.tenant)
         self.answered += len(outcome.acks)
 
     async def _keep_claims(self, lane: Lane, entry_ids: list[str]) -> None:
@@ -410,6 +444,12 @@ def _freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     logger.debug("froze %d objects of the startup heap", gc.get_freeze_count())
+
+
+def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:
+    """Order of a batch's parts: the smallest first, so its replies are written first (a
+    light tenant's closed loop sends its next calls sooner; `anticipation`)."""
+    return len(part[1][1])
 
 
 def _estimated_tokens(entry: Entry) -> int:

@@ -12,10 +12,11 @@ import time
 from dataclasses import dataclass, field
 
 from lmqueue.producer import QueueLM
+from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import distinct_prompt
 
-__all__ = ["Loop", "PROMPT_TOKENS", "freeze_heap"]
+__all__ = ["Loop", "PROMPT_TOKENS", "fairness_client_settings", "freeze_heap"]
 
 #: Prompt length of every call of a loop.
 PROMPT_TOKENS = 8
@@ -23,7 +24,8 @@ PROMPT_TOKENS = 8
 
 @dataclass
 class Loop:
-    """A closed loop of calls on one client; latencies and completion times recorded."""
+    """A closed loop of calls on one client; latencies and completion times recorded
+    (`time.monotonic`: comparable with another process's, see `loop_process`)."""
 
     lm: QueueLM
     concurrency: int
@@ -38,9 +40,9 @@ class Loop:
         async def one() -> None:
             while not self._stopping:
                 prompt = distinct_prompt(next(counter), self.salt, PROMPT_TOKENS)
-                started = time.perf_counter()
+                started = time.monotonic()
                 await self.lm.next_token_logprobs(prompt)
-                now = time.perf_counter()
+                now = time.monotonic()
                 self.done.append((now, now - started))
 
         self._tasks = [asyncio.create_task(one()) for _ in range(self.concurrency)]
@@ -53,6 +55,15 @@ class Loop:
     async def stop(self) -> None:
         self._stopping = True
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def fairness_client_settings(redis_url: str) -> ClientSettings:
+    """Every fairness client's settings: no caches (each call reaches the worker), float16
+    rows, and room for a flood's calls in flight."""
+    return ClientSettings(
+        redis=RedisSettings(url=redis_url), wire_dtype="float16", use_shared_cache=False,
+        local_cache_size=0, timeout_s=600, max_inflight=4096,
+    )  # fmt: skip
 
 
 def freeze_heap() -> None:

@@ -12,15 +12,18 @@ token plus ``batch_delay_s`` per batch) is the bottleneck. In one run:
    within 10%).
 
 Every client connects with its tenant's URL (ACL users made by `TenantAdmin`), so the figures
-include what tenancy costs. ``--repeats N`` runs it all N times (a fresh Redis and worker each)
-and prints every run's figures, then the worst and the median; B's latencies are printed as
-p50/p99/p99.9/max and a histogram, and plotted as a CDF, so a tail shows at a glance.
-``--real-repeats`` adds the same question on a real model (`fairness_model`).
+include what tenancy costs. The flooding client runs in a process of its own (`LoopProcess`),
+as a tenant's program would: sharing this one's event loop, its 2,000 calls delayed the light
+tenant's next calls after each reply. ``--repeats N`` runs it all N times (a fresh Redis and
+worker each) and prints every run's figures, then the worst and the median; B's latencies are
+printed as p50/p99/p99.9/max and a histogram, and plotted as a CDF, so a tail shows at a
+glance. ``--real-repeats`` adds the same question on a real model (`fairness_model`).
 
-The clients of every tenant live in this one process, whose heap (torch, 2,000 calls in
-flight) makes Python's full garbage collections take 250-800 ms here: one landing in B's
-window holds B's replies like a held forward would. So the process freezes its start-up heap
-before measuring (as the worker does, see ``Worker``) and reports the pauses it still saw.
+The other tenants' clients live in this one process, whose heap (torch; the flood's 2,000
+calls in flight, before it had a process of its own) made Python's full garbage collections
+take 250-800 ms here: one landing in B's window holds B's replies like a held forward would.
+So this process and the flood's freeze their start-up heaps before measuring (as the worker
+does, see ``Worker``), and this one reports the pauses it still saw.
 """
 
 from __future__ import annotations
@@ -37,13 +40,13 @@ from typing import Any
 import redis
 
 from lmqueue.producer import QueueLM
-from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 
-from .call_loop import PROMPT_TOKENS, Loop, freeze_heap
+from .call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
 from .fairness_plot import plot
 from .load import distinct_prompt
+from .loop_process import LoopProcess
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import connect_client, redis_server, wait_for_workers, worker_pool
 from .tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
@@ -78,9 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _window(args: argparse.Namespace) -> tuple[float, float]:
     await asyncio.sleep(args.warmup_s)
-    start = time.perf_counter()
+    start = time.monotonic()
     await asyncio.sleep(args.measure_s)
-    return start, time.perf_counter()
+    return start, time.monotonic()
 
 
 def _ms(values: list[float]) -> list[float]:
@@ -88,21 +91,22 @@ def _ms(values: list[float]) -> list[float]:
 
 
 async def _flood_and_light(
-    args: argparse.Namespace, flood: QueueLM, light: QueueLM, salt: int, pauses: GcPauses
+    args: argparse.Namespace, flood: LoopProcess, light: QueueLM, salt: int, pauses: GcPauses
 ) -> dict[str, Any]:
     """B alone; A alone; A and B together: latencies and tokens per second."""
     b = Loop(light, args.light_inflight, salt).start()
     start, end = await _window(args)
     await b.stop()
     alone_s = b.between(start, end)
-    a = Loop(flood, args.flood_inflight, salt + 1).start()
-    start, end = await _window(args)
-    a_alone_per_s = len(a.between(start, end)) / (end - start)
+    await flood.start(salt + 1)
+    a_alone = await _window(args)
     b = Loop(light, args.light_inflight, salt + 2).start()
     start, end = await _window(args)
+    await b.stop()
+    a_done = await flood.stop()
+    a_alone_per_s = _count(a_done, *a_alone) / (a_alone[1] - a_alone[0])
     under_s = b.between(start, end)
-    both_per_s = (len(a.between(start, end)) + len(b.between(start, end))) / (end - start)
-    await asyncio.gather(a.stop(), b.stop())
+    both_per_s = (_count(a_done, start, end) + len(under_s)) / (end - start)
     alone, under = latency_figures(alone_s), latency_figures(under_s)
     return {
         "light_alone": alone,
@@ -116,6 +120,10 @@ async def _flood_and_light(
         "tokens_per_s_flood_and_light": round(both_per_s * PROMPT_TOKENS, 1),
         "throughput_ratio": round(both_per_s / a_alone_per_s, 3) if a_alone_per_s else 0.0,
     }
+
+
+def _count(done: list[tuple[float, float]], start: float, end: float) -> int:
+    return sum(1 for at, _ in done if start <= at < end)
 
 
 async def _weighted(args: argparse.Namespace, c: QueueLM, d: QueueLM) -> dict[str, Any]:
@@ -154,18 +162,18 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
         clients: dict[str, QueueLM] = {}
         pauses = stack.enter_context(GcPauses())
         try:
-            for name in ("a", "b", "fifo-a", "fifo-b", "c", "d"):
-                url = urls[name.split("-")[0]]
-                settings = ClientSettings(
-                    redis=RedisSettings(url=url), wire_dtype="float16", use_shared_cache=False,
-                    local_cache_size=0, timeout_s=600, max_inflight=4096,
-                )  # fmt: skip
+            for name in ("b", "fifo-b", "c", "d"):
+                settings = fairness_client_settings(urls[name.split("-")[0]])
                 clients[name] = await connect_client(args.model, settings, workers)
             await _first_calls(clients, report, prefix)
+            floods = {name: LoopProcess(args.model, urls[name], args.flood_inflight)
+                      for name in ("a", "fifo")}  # fmt: skip
             freeze_heap()
-            fair = await _flood_and_light(args, clients["a"], clients["b"], 10, pauses)
+            async with floods["a"] as flood:
+                fair = await _flood_and_light(args, flood, clients["b"], 10, pauses)
             report.figure(f"{prefix}fair_share", fair, line=_line("fair share", fair))
-            fifo = await _flood_and_light(args, clients["fifo-a"], clients["fifo-b"], 20, pauses)
+            async with floods["fifo"] as flood:
+                fifo = await _flood_and_light(args, flood, clients["fifo-b"], 20, pauses)
             report.figure(f"{prefix}fifo", fifo, line=_line("FIFO (one stream)", fifo))
             weighted = await _weighted(args, clients["c"], clients["d"])
             report.figure(f"{prefix}weights", weighted, line=f"weights 1:2: served tokens "
@@ -180,10 +188,10 @@ async def _first_calls(clients: dict[str, QueueLM], report: Report, prefix: str)
     """One call of each client before any window: a fresh worker's first calls of a tenant
     took 3.9-4.9 s here (with or without the heap freezes; not investigated further), a cold
     start that a 3 s warm-up did not always absorb on a loaded machine, not a tail."""
-    started = time.perf_counter()
+    started = time.monotonic()
     await asyncio.gather(*(lm.next_token_logprobs(distinct_prompt(i, 99, PROMPT_TOKENS))
                            for i, lm in enumerate(clients.values())))  # fmt: skip
-    took_s = round(time.perf_counter() - started, 2)
+    took_s = round(time.monotonic() - started, 2)
     report.figure(f"{prefix}first_calls_s", took_s, line=f"first call of every client: {took_s} s")
 
 

@@ -51,9 +51,9 @@ class TimedLM:
         self.done: list[tuple[float, float]] = []  # (finished at, latency)
 
     async def batch_next_token_logprobs(self, prompts: list[list[int]]) -> Any:
-        started = time.perf_counter()
+        started = time.monotonic()
         rows = await self.lm.batch_next_token_logprobs(prompts)
-        now = time.perf_counter()
+        now = time.monotonic()
         self.done.append((now, now - started))
         return rows
 
@@ -72,9 +72,9 @@ async def _programs(lm: TimedLM, workload: Workload, variant: int, stop: asyncio
 
 async def _window(warmup_s: float, measure_s: float) -> tuple[float, float]:
     await asyncio.sleep(warmup_s)
-    start = time.perf_counter()
+    start = time.monotonic()
     await asyncio.sleep(measure_s)
-    return start, time.perf_counter()
+    return start, time.monotonic()
 
 
 async def _experiment(args: argparse.Namespace, flood: QueueLM, light: QueueLM) -> dict:

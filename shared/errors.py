@@ -123,7 +123,7 @@ class UnknownAdapter(BadRequest, LookupError):
 
 
 class AdaptersUnsupported(SettingsError):
-    """Raised at a worker's start when its backend cannot serve the LoRA adapters it is given."""
+    """Raised when a backend cannot serve a LoRA adapter it is given (at start, or on `lmq adapter add`)."""
 
 
 class MalformedMessage(LMQueueError, ValueError):

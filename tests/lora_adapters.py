@@ -13,6 +13,20 @@ def make_adapter(model_dir: str | Path, out_dir: str | Path, seed: int, rank: in
     return make_random_adapter(model_dir, out_dir, seed, rank)
 
 
+def make_lora_adapter(model_dir: str | Path, out_dir: str | Path, seed: int, **config: Any) -> Path:
+    """A random non-zero PEFT adapter of the model in `model_dir` with `config`'s ``LoraConfig``
+    options (``target_modules`` required; B random too, as in `make_adapter`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    options = {"init_lora_weights": False, "task_type": "CAUSAL_LM", **config}
+    get_peft_model(base, LoraConfig(**options)).save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
 def peft_reference(model_dir: str | Path, adapters: dict[str, Path]) -> Any:
     """A PEFT model of `model_dir` with `adapters` loaded, for in-process reference forwards."""
     import torch

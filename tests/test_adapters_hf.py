@@ -1,4 +1,4 @@
-"""LoRA adapters on the hf backend: PEFT mixed-adapter forwards, in-process and through a worker.
+"""LoRA adapters on the hf backend (`BatchedLora`), in-process and through a worker.
 
 Adapters are made at test time with PEFT (random, non-zero LoRA weights on attention and MLP
 projections), and every row is compared with a plain in-process PEFT forward of its adapter.

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import redis
-from test_late_binding import FORWARD_S, MODEL, RecordingLM, _xadd
+from test_late_binding import MODEL, RecordingLM, _xadd
 
 from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings

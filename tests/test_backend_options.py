@@ -10,7 +10,12 @@ import pytest
 
 from lmqueue.shared.errors import SettingsError
 from lmqueue.shared.settings import WorkerSettings
-from lmqueue.workers.backend_loader import backend_class, backend_options, load_backend
+from lmqueue.workers.backend_loader import (
+    backend_class,
+    backend_options,
+    load_backend,
+    one_torch_team,
+)
 from lmqueue.workers.backends.hf import AsyncTransformer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,3 +96,32 @@ def test_the_environment_is_read_only_by_shared_settings():
         # keeping an OMP_NUM_THREADS the operator chose): engine configuration, not lmqueue's
         "workers/backends/vllm_engine.py",
     ]
+
+
+def test_a_forward_thread_gets_the_torch_threads_and_every_other_thread_one(
+    tiny_model_dir: Path,
+) -> None:
+    """One OpenMP team in a worker: the forward thread's (see `one_torch_team`). Run in a
+    thread of its own: the count is per thread, and the test's thread keeps its own."""
+    import threading
+
+    import torch
+
+    seen: dict[str, object] = {}
+
+    def worker_main() -> None:
+        torch.set_num_threads(2)  # as OMP_NUM_THREADS=2 would
+        settings = one_torch_team(WorkerSettings(model=str(tiny_model_dir), backend="hf"))
+        seen["main"] = torch.get_num_threads()
+        seen["opts"] = dict(settings.backend_opts)
+        backend = load_backend(settings)
+        seen["forward"] = backend._executor.submit(torch.get_num_threads).result()
+        backend._executor.shutdown()
+        mock = WorkerSettings(model="m", backend="mock")
+        seen["mock_unchanged"] = one_torch_team(mock) is mock
+
+    thread = threading.Thread(target=worker_main)
+    thread.start()
+    thread.join(120)
+    assert seen == {"main": 1, "opts": {"forward_threads": 2}, "forward": 2,
+                    "mock_unchanged": True}  # fmt: skip

@@ -26,7 +26,7 @@ from lmqueue.shared.redis_errors import redis_boundary
 from lmqueue.shared.redis_roles import connect_redis_roles
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
 
-from .backend_loader import load_backend
+from .backend_loader import load_backend, one_torch_team
 from .health import HealthServer, HealthState
 from .metrics import WorkerMetrics
 from .upkeep import health_state
@@ -137,6 +137,7 @@ async def _serve(
 ) -> None:
     roles = await connect_redis_roles(settings.redis)  # first: a wrong password fails at once
     logger.info("loading %s backend for %s", settings.backend, settings.model)
+    settings = one_torch_team(settings)
     try:
         backend = await asyncio.to_thread(load_backend, settings)
     except BaseException:

@@ -13,10 +13,11 @@ reads and picks the next batch only when the backend is about to be done with th
 (`late_binding`), so requests arriving meanwhile can still join it, and holds it a moment
 for a tenant whose calls the ending forward answered and whose next calls are on their way
 (`anticipation`: a closed loop's next step). A batch is decoded and looked up in the cache
-while the forward ends, and replying to one batch overlaps the next one's forward. Entries are read only just before they are picked: read and left waiting in
-the scheduler through a long forward, they would pass the claim timeout unattended. Beside
-the read loop run the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that
-reclaims entries abandoned by dead workers.
+while the forward ends, and replying to one batch overlaps the next one's forward. Entries
+are read only just before they are picked: read and left waiting in the scheduler through a
+long forward, they would pass the claim timeout unattended. Beside the read loop run the
+`Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries abandoned
+by dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under

@@ -13,18 +13,18 @@ are touched only on the loop thread, and a forward gets plain tensors, so an evi
 cannot pull a past from under it. The padded layout, the mask and out-of-memory splitting live
 in `padded_batch`; the trie, its KV segments and their eviction in `prefix_cache`.
 
-LoRA adapters (`load_adapter`) are served with PEFT: the first one wraps the model in a
-`PeftModel` (its LoRA layers wrap the base model's in place: no second copy of the weights),
-and every forward then names each row's adapter (``adapter_names``, PEFT's mixed-adapter
-batches), the base model included, so rows of several adapters share one forward. A query is
-keyed on its adapter and its tokens everywhere: the queue, the in-flight table and the prefix
-cache, whose tries are per adapter (an adapter changes the KV as well as the result).
+LoRA adapters (`load_adapter`) are served by `BatchedLora`: each targeted Linear layer adds
+every loaded adapter's LoRA term in one masked, concatenated product (no second copy of the
+weights), and every forward names each row's adapter, so rows of the base model and of several
+adapters share one forward; a forward of base rows only runs the plain layers. Adapters that
+product cannot reproduce (DoRA, ``modules_to_save``, ...) are refused at load time. A query
+is keyed on its adapter and its tokens everywhere: the queue, the in-flight table and the
+prefix cache, whose tries are per adapter (an adapter changes the KV as well as the result).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -45,6 +45,7 @@ from lmqueue.shared.settings import (
     DEFAULT_MAX_WAIT_MS,
 )
 
+from .lora_batch import BatchedLora
 from .options import check_options
 from .padded_batch import (
     ForwardStats,
@@ -111,6 +112,12 @@ class AsyncTransformer(AsyncLM):
             in float32 takes 46 KB a position).
         cache_size: most log-probability vectors kept (``4 * vector_size`` bytes each).
         revision: names the weights, for shared caches (`from_name` fills it in).
+        forward_threads: torch intra-op threads of the forward thread (0: as many as the
+            constructing thread has). A worker gives every thread but this one a single
+            thread (`backend_loader`): with OpenMP, each thread that runs a parallel op keeps a
+            team of its own, and past one team per core libgomp stops spinning between ops;
+            a forward on its own thread took 1.4x longer with 2 threads than on the thread
+            that loaded the model (SmolLM2-135M, 32 rows; BENCHMARKS.md 10).
     """
 
     backend_name = "hf"
@@ -126,6 +133,7 @@ class AsyncTransformer(AsyncLM):
         max_kv_tokens: int = 16_384,
         cache_size: int = 1024,
         revision: str = "unknown",
+        forward_threads: int = 0,
         **vocab: Any,
     ) -> None:
         if batch_size < 1 or max_batch_tokens < 1 or timeout < 0:
@@ -144,12 +152,15 @@ class AsyncTransformer(AsyncLM):
         self._cache = PrefixCache(max_kv_tokens, cache_size)
         self._keep_kv = max_kv_tokens > 0
         self._forward_kwargs = forward_options(model)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmq-hf-forward")
+        self.forward_threads = forward_threads or torch.get_num_threads()
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lmq-hf-forward",
+            initializer=torch.set_num_threads, initargs=(self.forward_threads,),
+        )  # fmt: skip
         self._pending: OrderedDict[_Key, _Query] = OrderedDict()
         self._queued_callers = 0  # callers of queued queries: identical calls fill a batch too
         self._inflight: dict[_Key, asyncio.Future[torch.Tensor]] = {}
-        #: The PEFT wrapper of `model`, once an adapter is loaded; forwards then go through it.
-        self._peft: Any = None
+        self._lora = BatchedLora(self.model)
         self._timer: asyncio.TimerHandle | None = None
         self._drainer: asyncio.Task[None] | None = None
         self._closed = False
@@ -157,7 +168,7 @@ class AsyncTransformer(AsyncLM):
     #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
     OPTIONS = frozenset(
         {"batch_size", "timeout", "max_batch_tokens", "max_kv_tokens", "cache_size", "revision",
-         "device", "bitsandbytes_opts"}
+         "device", "bitsandbytes_opts", "forward_threads"}
     )  # fmt: skip
 
     @classmethod
@@ -214,64 +225,25 @@ class AsyncTransformer(AsyncLM):
 
     @property
     def adapter_names(self) -> frozenset[str]:
-        return frozenset(self._peft.peft_config) if self._peft is not None else frozenset()
+        return self._lora.names
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Load a PEFT LoRA adapter on the forward thread (between forwards); results and KV
-        of an adapter of the same name it replaces are forgotten."""
+        of an adapter of the same name it replaces are forgotten.
+
+        Raises:
+            AdaptersUnsupported: the adapter uses a feature `BatchedLora` cannot reproduce.
+        """
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_adapter, name, path)
+        await loop.run_in_executor(self._executor, self._lora.load, name, path)
         self._cache.drop_adapter(name)
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self.adapter_names:
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._delete_adapter, name)
+        await loop.run_in_executor(self._executor, self._lora.unload, name)
         self._cache.drop_adapter(name)
-
-    def _delete_adapter(self, name: str) -> None:
-        """Delete an adapter; the last one takes the PEFT layers with it (plain model again)."""
-        others = [other for other in self._peft.peft_config if other != name]
-        if not others:
-            self.model = self._peft.unload()
-            self._peft = None
-            return
-        if name in self._peft.active_adapters:  # PEFT warns when deleting the active one
-            self._peft.set_adapter(others[0])
-        self._peft.delete_adapter(name)
-
-    def _load_adapter(self, name: str, path: str) -> None:
-        from peft import PeftModel
-
-        if self._peft is None:
-            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
-            return
-        if name in self._peft.peft_config:
-            self._delete_adapter(name)
-            if self._peft is None:  # it was the only one
-                self._load_adapter(name, path)
-                return
-        self._peft.load_adapter(path, adapter_name=name)
-        self._peft.eval()
-
-    def _forward_model(self, adapters: set[str | None]) -> tuple[Any, Any]:
-        """The model a forward of rows of `adapters` runs, and the context to run it in.
-
-        PEFT's mixed-adapter path (every row named) only when the rows are of several
-        adapters; rows of one run the plain model with that adapter active, or with adapters
-        disabled for the base model, which costs the base model's time (measured: the mixed
-        path on base rows ~1.3x). Called on the forward thread only.
-        """
-        if self._peft is None:
-            return self.model, contextlib.nullcontext()
-        if len(adapters) > 1:
-            return self._peft, contextlib.nullcontext()
-        (adapter,) = adapters
-        if adapter is None:
-            return self.model, self._peft.disable_adapter()
-        self._peft.set_adapter(adapter)
-        return self.model, contextlib.nullcontext()
 
     @property
     def cache(self) -> PrefixCache:
@@ -501,9 +473,7 @@ class AsyncTransformer(AsyncLM):
     @torch.no_grad()
     def _compute(self, rows: list[Row]) -> list[Output]:
         keep_kv = self._keep_kv
-        model, context = self._forward_model({row.adapter for row in rows})
-        with context:
-            outputs = run_rows(model, rows, keep_kv, self._forward_kwargs, self.stats)
+        outputs = run_rows(self.model, rows, keep_kv, self._forward_kwargs, self.stats, self._lora)
         if keep_kv and any(not isinstance(o, BaseException) and o[1] is None for o in outputs):
             self._keep_kv = False  # this model's KV does not fit the segment layout; run without
         return outputs
@@ -511,8 +481,7 @@ class AsyncTransformer(AsyncLM):
     @torch.no_grad()
     def _uncached(self, tokens: tuple[int, ...], adapter: str | None = None) -> torch.Tensor:
         try:
-            model, context = self._forward_model({adapter})
-            with context:
-                return plain_forward(model, tokens, self._forward_kwargs, adapter)
+            with self._lora.rows([adapter]):
+                return plain_forward(self.model, tokens, self._forward_kwargs)
         except Exception as exc:
             raise model_error(exc) from exc

@@ -21,17 +21,20 @@ override their per-layer windows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmqueue.shared.errors import ModelError
+
+if TYPE_CHECKING:
+    from .lora_batch import BatchedLora
 
 __all__ = [
     "ForwardStats",
@@ -96,33 +99,7 @@ def kv_argument(model: Any) -> str:
     (``inspect.signature`` follows the deprecation decorator to the real function), and the
     output field carries the same name, so this is the one place that decides.
     """
-    inner: Any = _inner_model(model)
-    return _kv_argument_of(inner.__class__)
-
-
-#: What PEFT's mixed-adapter batches call the base model in ``adapter_names``.
-BASE_ADAPTER = "__base__"
-
-
-def _is_peft(model: Any) -> bool:
-    """Whether `model` is a PEFT model (checked without importing peft where none is loaded)."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
-def _inner_model(model: Any) -> Any:
-    """The transformers model under a PEFT wrapper (whose forward takes ``**kwargs`` only)."""
-    return model.get_base_model() if _is_peft(model) else model
-
-
-def adapter_options(model: Any, adapters: list[str | None]) -> dict[str, Any]:
-    """``adapter_names`` for a PEFT model: each row's adapter, the base model's by its PEFT name.
-
-    A PEFT model must always get them: without, its active adapter would apply to every row.
-    """
-    if not _is_peft(model):
-        return {}
-    return {"adapter_names": [name or BASE_ADAPTER for name in adapters]}
+    return _kv_argument_of(model.__class__)
 
 
 @functools.cache
@@ -138,13 +115,10 @@ def model_error(exc: BaseException) -> ModelError:
     return error
 
 
-def plain_forward(
-    model: Any, tokens: tuple[int, ...], options: dict[str, Any], adapter: str | None = None
-) -> torch.Tensor:
+def plain_forward(model: Any, tokens: tuple[int, ...], options: dict[str, Any]) -> torch.Tensor:
     """Log-probabilities after `tokens` from one unpadded forward without cache (the reference)."""
     ids = torch.tensor([tokens], device=model.get_input_embeddings().weight.device)
-    extra = adapter_options(model, [adapter])
-    logits = model(input_ids=ids, use_cache=False, **options, **extra).logits
+    logits = model(input_ids=ids, use_cache=False, **options).logits
     return torch.log_softmax(logits[0, -1].to(torch.float32), dim=-1).cpu()
 
 
@@ -154,15 +128,17 @@ def run_rows(
     keep_kv: bool,
     forward_kwargs: dict[str, Any],
     stats: ForwardStats,
+    lora: BatchedLora | None = None,
 ) -> list[Output]:
-    """One output per row; a batch out of memory is split in halves and retried.
+    """One output per row, each under its row's adapter from `lora`; a batch out of memory is
+    split in halves and retried.
 
     Any other error, or out-of-memory on a single row, becomes the output of exactly the rows
     of that forward: the caller fails their queries and goes on serving.
     """
     started = time.perf_counter()
     try:
-        logprobs, segments = padded_forward(model, rows, keep_kv, forward_kwargs)
+        logprobs, segments = padded_forward(model, rows, keep_kv, forward_kwargs, lora)
     except Exception as exc:
         if not _is_oom(exc) or len(rows) == 1:
             logger.error("forward pass of %d rows failed", len(rows), exc_info=exc)
@@ -171,8 +147,8 @@ def run_rows(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         half = len(rows) // 2
-        head = run_rows(model, rows[:half], keep_kv, forward_kwargs, stats)
-        return head + run_rows(model, rows[half:], keep_kv, forward_kwargs, stats)
+        head = run_rows(model, rows[:half], keep_kv, forward_kwargs, stats, lora)
+        return head + run_rows(model, rows[half:], keep_kv, forward_kwargs, stats, lora)
     stats.forwards += 1
     stats.rows += len(rows)
     stats.new_tokens += sum(len(row.new_tokens) for row in rows)
@@ -189,9 +165,13 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def padded_forward(
-    model: Any, rows: list[Row], keep_kv: bool, forward_kwargs: dict[str, Any]
+    model: Any,
+    rows: list[Row],
+    keep_kv: bool,
+    forward_kwargs: dict[str, Any],
+    lora: BatchedLora | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Run `rows` as one batch.
+    """Run `rows` as one batch, each row under its adapter from `lora` (inputs ``[rows, N, d]``).
 
     Returns:
         The ``(len(rows), vector_size)`` float32 log-probabilities on the CPU, and per row the
@@ -204,15 +184,16 @@ def padded_forward(
     ids, positions, real = _inputs(rows, width_past, width_new)
     past = _past_cache(rows, width_past, width_new) if keep_kv else None
     kv_name = kv_argument(model)
-    output = model(
-        input_ids=ids.to(device),
-        attention_mask=_attention_mask(model, real.to(device), width_past, width_new),
-        position_ids=positions.to(device),
-        use_cache=keep_kv,
-        **{kv_name: past},
-        **forward_kwargs,
-        **adapter_options(model, [row.adapter for row in rows]),
-    )
+    names = [row.adapter for row in rows]
+    with lora.rows(names) if lora is not None else contextlib.nullcontext():
+        output = model(
+            input_ids=ids.to(device),
+            attention_mask=_attention_mask(model, real.to(device), width_past, width_new),
+            position_ids=positions.to(device),
+            use_cache=keep_kv,
+            **{kv_name: past},
+            **forward_kwargs,
+        )
     logprobs = torch.log_softmax(output.logits[:, -1].to(torch.float32), dim=-1).cpu()
     if not keep_kv:
         return logprobs, [None] * len(rows)

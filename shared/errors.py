@@ -123,7 +123,7 @@ class UnknownAdapter(BadRequest, LookupError):
 
 
 class AdaptersUnsupported(SettingsError):
-    """Raised when a backend cannot serve a LoRA adapter it is given (at start, or on `lmq adapter add`)."""
+    """Raised when a backend cannot serve a LoRA adapter (at start, or on `lmq adapter add`)."""
 
 
 class MalformedMessage(LMQueueError, ValueError):

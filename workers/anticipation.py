@@ -26,8 +26,6 @@ calls) is not waited for during its next `COOL_OFF_BATCHES` batches, then tried 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,7 +60,6 @@ class ReturningTenants:
         self._expected: dict[str, _Expected] = {}
         self._misses: dict[str, int] = {}  # waits run out in a row, by tenant
         self._cooling: dict[str, int] = {}  # batches of the tenant not to wait after
-        self._changed = asyncio.Event()
 
     def sent(self, tenant: str, calls: int, cost: float) -> None:
         """A batch holding `calls` of `tenant`'s requests, charged `cost`, went to the backend."""
@@ -83,8 +80,6 @@ class ReturningTenants:
         expected = self._expected.get(tenant)
         if expected is not None and expected.replied_at is None:
             expected.replied_at = self.clock()
-            self._changed.set()
-            self._changed = asyncio.Event()
 
     def waiting(self, backlog: Callable[[str], int]) -> tuple[bool, float | None]:
         """Whether to hold the next pick, and at most how long (None: until a reply is written).
@@ -106,11 +101,6 @@ class ReturningTenants:
             elif longest is not None:
                 longest = max(longest, left_s)
         return (bool(self._expected), longest if self._expected else 0.0)
-
-    async def wait_for_reply(self, timeout_s: float) -> None:
-        """Wait until some expected tenant's replies are written, at most `timeout_s`."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     def forget_unreplied(self) -> None:
         """Stop waiting for tenants whose replies will not be written (no batch in flight)."""

@@ -274,15 +274,14 @@ class Worker:
             return False
         if wait_s is None and not self._inflight:  # a batch failed before replying
             self.returning.forget_unreplied()
-        elif wait_s is None:  # their replies are not written yet
-            await self.returning.wait_for_reply(_IDLE_BLOCK_MS / 1000)
-        else:
-            block_ms = max(round(wait_s * 1000), 1)
-            await bounded(
-                self._read_into_scheduler(block_ms),
-                block_ms / 1000 + self.settings.redis.stall_timeout_s,
-                "request read",
-            )
+            return True
+        # Reading meanwhile: calls of theirs queued already (or arriving) end the wait at once.
+        block_ms = max(round((wait_s or self.returning.wait_s) * 1000), 1)
+        await bounded(
+            self._read_into_scheduler(block_ms),
+            block_ms / 1000 + self.settings.redis.stall_timeout_s,
+            "request read",
+        )
         return True
 
     def _start(self, picks: list[Pick[tuple[Lane, Entry]]]) -> None:

@@ -125,3 +125,30 @@ def test_a_forward_thread_gets_the_torch_threads_and_every_other_thread_one(
     thread.join(120)
     assert seen == {"main": 1, "opts": {"forward_threads": 2}, "forward": 2,
                     "mock_unchanged": True}  # fmt: skip
+
+
+def test_parallel_forwards_split_the_torch_threads(tiny_model_dir: Path) -> None:
+    """Two forwards at once on two threads: one torch thread each, two executor threads."""
+    import threading
+
+    import torch
+
+    seen: dict[str, object] = {}
+
+    def worker_main() -> None:
+        torch.set_num_threads(2)
+        settings = WorkerSettings(
+            model=str(tiny_model_dir), backend="hf", backend_opts={"parallel_forwards": 2}
+        )
+        settings = one_torch_team(settings)
+        seen["opts"] = dict(settings.backend_opts)
+        backend = load_backend(settings)
+        seen["forwards"] = backend.parallel_forwards
+        seen["executor_threads"] = backend._executor._max_workers
+        backend._executor.shutdown()
+
+    thread = threading.Thread(target=worker_main)
+    thread.start()
+    thread.join(120)
+    assert seen == {"opts": {"parallel_forwards": 2, "forward_threads": 1}, "forwards": 2,
+                    "executor_threads": 2}  # fmt: skip

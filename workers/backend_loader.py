@@ -7,8 +7,9 @@ batch becomes one forward), and ``--device`` goes to the backends that can place
 anything a backend cannot honour is refused with `SettingsError` before loading starts. A
 backend that must be sized for LoRA adapters when it starts (vllm) gets the directories of
 ``--adapter`` as ``adapter_paths``; the worker loads the adapters themselves afterwards.
-A backend that computes on a forward thread of its own (hf) gets the process's torch threads
-there (``forward_threads``) and every other thread one (`one_torch_team`).
+A backend that computes on forward threads of its own (hf) gets the process's torch threads
+there, split over its ``parallel_forwards`` (``forward_threads`` each), and every other
+thread one (`one_torch_team`).
 """
 
 from __future__ import annotations
@@ -68,14 +69,18 @@ def one_torch_team(settings: WorkerSettings) -> WorkerSettings:
     threads than cores libgomp spins 100 times instead of 300,000 before sleeping between
     ops, and a forward of many small ops (a LoRA's) pays a wake-up each: SmolLM2-135M, 32
     rows on 2 threads, 212-248 ms on the forward thread behind the loader's team against
-    ~150 ms as the only team (measured here). Returns `settings` with the count in
+    ~150 ms as the only team (measured here). With ``parallel_forwards`` the threads are
+    split over the forwards (at least one each). Returns `settings` with the count in
     ``backend_opts`` (unless set there already).
     """
     if "forward_threads" not in backend_class(settings.backend).OPTIONS:
         return settings
     import torch
 
-    threads = settings.backend_opts.get("forward_threads") or torch.get_num_threads()
+    forwards = max(int(settings.backend_opts.get("parallel_forwards") or 1), 1)
+    threads = settings.backend_opts.get("forward_threads") or max(
+        torch.get_num_threads() // forwards, 1
+    )
     torch.set_num_threads(1)  # this thread's, and the default of threads started from now
     return replace(settings, backend_opts={**settings.backend_opts, "forward_threads": threads})
 

@@ -35,18 +35,26 @@ _NEWEST = 0.2
 class BackendSlot:
     """Batches picked and not yet through the backend, and when the backend will be done.
 
-    The next batch may be picked when none is held, or when one is held and its forward is
-    expected to end within `PICK_LEAD` of a forward (the running estimate of a forward's
-    duration, from the batches released so far): its calls then wait at the backend for
-    the current forward, as a prefetched batch's would, but their membership was decided
-    only that much earlier.
+    A backend runs up to `forwards` batches at once (`parallel_forwards`; one by default).
+    While fewer are held, the next batch may be picked at once. With all of them held, it may
+    be picked when the oldest is expected to end within `PICK_LEAD` of a forward (the running
+    estimate of a forward's duration, from the batches released so far): its calls then wait
+    at the backend for that forward, as a prefetched batch's would, but their membership was
+    decided only that much earlier. Beyond that, picking waits for a release.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, forwards: int = 1) -> None:
+        if forwards < 1:
+            raise ValueError(f"forwards={forwards}: at least one")
         self.clock = clock
+        self.forwards = forwards
         self.forward_s = 0.0  # running estimate; 0 until a batch was released
         self._held = 0
-        self._since = 0.0  # when the backend began the oldest held batch (or was given it)
+        #: When the backend began each batch it runs (or was given it), by hold, oldest first ...
+        self._running: dict[int, float] = {}
+        #: ... and the held batches beyond `forwards`, waiting for a place, in order.
+        self._waiting: list[int] = []
+        self._next_hold = 0
         self._changed = asyncio.Event()
 
     @property
@@ -57,22 +65,27 @@ class BackendSlot:
     def pick_in_s(self) -> float | None:
         """Seconds until the next batch may be picked: 0 now, None until a release.
 
-        Before any forward was measured, one batch may wait at the backend behind the one it
+        Before any forward was measured, one batch may wait at the backend behind those it
         runs (a batch of cache hits, say, need not wait for a first long forward at all).
         """
-        if not self._held:
+        if self._held < self.forwards:
             return 0.0
         if not self.forward_s:  # nothing measured yet: one batch ahead, as a prefetch
-            return 0.0 if self._held == 1 else None
-        if self._held > 1:
+            return 0.0 if self._held == self.forwards else None
+        if self._held > self.forwards:
             return None
-        return max(self._since + (1 - PICK_LEAD) * self.forward_s - self.clock(), 0.0)
+        oldest = next(iter(self._running.values()))
+        return max(oldest + (1 - PICK_LEAD) * self.forward_s - self.clock(), 0.0)
 
     def hold(self) -> Callable[[], None]:
         """Hold the slot for one batch; returns its release, which only its first call does."""
-        if not self._held:
-            self._since = self.clock()
+        hold = self._next_hold
+        self._next_hold += 1
         self._held += 1
+        if len(self._running) < self.forwards:
+            self._running[hold] = self.clock()
+        else:
+            self._waiting.append(hold)
         released = False
 
         def release() -> None:
@@ -81,12 +94,17 @@ class BackendSlot:
                 return
             released = True
             now = self.clock()
-            took_s = now - self._since
-            self.forward_s = took_s if not self.forward_s else (
-                _NEWEST * took_s + (1 - _NEWEST) * self.forward_s
-            )  # fmt: skip
+            began = self._running.pop(hold, None)
+            if began is None:  # released before it had a place (a batch of cache hits)
+                self._waiting.remove(hold)
+            else:
+                took_s = now - began
+                self.forward_s = took_s if not self.forward_s else (
+                    _NEWEST * took_s + (1 - _NEWEST) * self.forward_s
+                )  # fmt: skip
             self._held -= 1
-            self._since = now  # the next held batch has the backend from now
+            if self._waiting and len(self._running) < self.forwards:
+                self._running[self._waiting.pop(0)] = now  # it has the backend from now
             self._changed.set()
             self._changed = asyncio.Event()
 

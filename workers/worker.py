@@ -93,11 +93,12 @@ class Worker:
             self.adapters,
         )  # fmt: skip
         self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
-        self.prefetch = prefetch
+        forwards = int(getattr(backend, "parallel_forwards", 1))
+        self.prefetch = max(prefetch, forwards + 1)  # one batch beyond those computing
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self.slot = BackendSlot()
+        self.slot = BackendSlot(forwards=forwards)
         self.returning = ReturningTenants(settings.anticipate_ms / 1000)
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,

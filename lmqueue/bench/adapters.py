@@ -12,8 +12,10 @@ three as LoRA adapters, and requests of all four share its batches. In one run, 
   model bound to adapter i (the base for i = 0).
 
 Each side gets the machine's cores: a worker runs ``cores // workers`` torch threads (at least
-one; ``OMP_NUM_THREADS``), so the adapters worker runs one per core and each of the four merged
-workers one, as ``lmq bench programs`` splits threads over its genlm copies.
+one; ``OMP_NUM_THREADS``), so each of the four merged workers runs one, and the adapters worker
+runs as many forwards at once as it has threads, one thread each (the hf backend's
+``parallel_forwards``: on a CPU two single-threaded forwards of a small model get more done
+than one forward on two threads; ``--parallel-forwards 1`` runs one forward on all of them).
 ``--worker-threads N`` gives every worker N instead: on a machine loaded by other work an
 OpenMP team spins against the load (a forward took ~25x longer with two threads than with one
 at load ~9 here), and one thread each is the steadier comparison there.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -48,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lmqueue.shared.settings import DEFAULT_BATCH_SIZE
 
 from .memory_bounds import vm_hwm
 from .program_runner import run_together
@@ -66,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-threads", type=int, default=None,
         help="torch threads of every worker (default: cores // workers of the side, >= 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--parallel-forwards", type=int, default=None,
+        help="forwards the adapters worker runs at once (default: one per torch thread)",
     )  # fmt: skip
     parser.add_argument(
         "--batch-size", type=int, default=None, help="every worker's batch size (default: 32)"
@@ -153,12 +162,18 @@ def _adapters_round(
     """Program i against one worker, bound to adapter i; then the mixed-batch comparison."""
     specs = [arg for name, path in adapters.items() for arg in ("--adapter", f"{name}={path}")]
     threads = _threads(args, 1)
-    worker = _worker(args.model, url, "adapters", threads, [*specs, *_batch_args(args)])
+    forwards = args.parallel_forwards or threads
+    opts = ["--backend-opts", json.dumps({"parallel_forwards": forwards})]
+    batch = args.batch_size or max(DEFAULT_BATCH_SIZE // forwards, 1)  # as many rows in flight
+    worker = _worker(
+        args.model, url, "adapters", threads, [*specs, *opts, "--batch-size", str(batch)]
+    )
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))
         names: list[str | None] = [None, *adapters]
         commands = [_program(args, url, args.model, 11 + i, n) for i, n in enumerate(names)]
         figures = _figures(commands, [worker], threads, args.timeout_s)
+        figures.update(forwards=forwards, batch_size=batch)
         mixed = asyncio.run(_mixed_batches(args, url, names))
         return figures, mixed
     finally:

@@ -7,11 +7,11 @@ into bytes:
 * KV: ``max_kv_tokens`` x bytes of KV per token position (2 x layers x KV heads x head
   dimension x element size: 45 KiB for SmolLM2-135M in float32);
 * results: ``cache_size`` x one float32 vector (4 x vocabulary);
-* one forward's working set: a batch's padded past with room for the new positions, one
-  block per layer, which the model's attention fills in place (`padded_batch._past_cache`), so
-  one copy of rows x longest prompt x KV per token lives at a time (counted with one layer's
-  more, the margin of the earlier layout that replaced each layer as the forward reached it),
-  plus logits and log-softmax of every row;
+* one forward's working set: a batch's padded past with room for the new positions, which the
+  model's attention fills in place, in a staging tensor the forward thread keeps between
+  forwards (`padded_batch._past_cache`), so one copy of rows x longest prompt x KV per token,
+  plus the spare it was allocated with (`STAGING_GROWTH`) and one layer's margin, plus logits
+  and log-softmax of every row;
 * replies in flight: a worker holds up to two batches at once (one computing, one picked
   ahead or writing its replies), each row's vector as a result tensor, as encoded bytes and in
   the pipeline's send buffer;
@@ -131,13 +131,16 @@ def derive_bounds(
     cache_maxmemory: int,
 ) -> dict[str, int]:
     """The bytes each process may reach, from the configured limits (see the module doc)."""
+    from lmqueue.workers.backends.padded_batch import STAGING_GROWTH  # torch: not in clients
+
     per_token, vector = model["kv_bytes_per_token"], model["vector_bytes"]
     rows = min(workload.particles, _WORKER_BATCH)
     longest = len(workload.prompt) + workload.steps + 1
     kv = args.max_kv_tokens * per_token
     results = args.cache_size * vector
     layers = model["layers"]
-    forward = rows * longest * per_token * (layers + 1) // layers + 3 * rows * vector
+    staged = rows * longest * per_token * (1 + STAGING_GROWTH + 1 / layers)
+    forward = int(staged) + 3 * rows * vector
     in_flight = _PREFETCH_BATCHES * rows * vector * 3
     outstanding = 3 * workload.particles * vector
     return {

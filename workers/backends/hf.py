@@ -7,10 +7,16 @@ and the KV of every computed position go into a `PrefixCache`, so any prompt ext
 prefix runs only its new tokens, not only prompts passed to `cache_kv`. Returned vectors are
 shared with that cache: treat them as read-only.
 
-Threads: forwards run one at a time on a dedicated thread, so the event loop keeps serving
-meanwhile; queries arriving during a forward go into the next one. The trie and the futures
-are touched only on the loop thread, and a forward gets plain tensors, so an eviction meanwhile
-cannot pull a past from under it. The padded layout, the mask and out-of-memory splitting live
+Threads: forwards run on dedicated threads, one at a time unless ``parallel_forwards`` says
+more, so the event loop keeps serving meanwhile; queries arriving during a forward go into the
+next one. Several forwards at once, each on its own thread with ``forward_threads`` torch
+threads, are for CPUs: a small model's forward keeps two cores only ~70% busy as one OpenMP
+team (many small ops, each a barrier), while two single-threaded forwards keep both busy
+(SmolLM2-135M, 32 rows: one forward on 2 threads ~170 ms, two on 1 thread each ~250 ms, so
+twice the rows in 1.5x the time; BENCHMARKS.md 10). The trie and the futures are touched only
+on the loop thread, and a forward gets plain tensors, so an eviction meanwhile cannot pull a
+past from under it. An adapter is loaded or unloaded only while no forward runs
+(`ForwardGate`). The padded layout, the mask and out-of-memory splitting live
 in `padded_batch`; the trie, its KV segments and their eviction in `prefix_cache`.
 
 LoRA adapters (`load_adapter`) are served by `BatchedLora`: each targeted Linear layer adds
@@ -45,6 +51,7 @@ from lmqueue.shared.settings import (
     DEFAULT_MAX_WAIT_MS,
 )
 
+from .forward_gate import ForwardGate
 from .lora_batch import BatchedLora
 from .options import check_options
 from .padded_batch import (
@@ -118,6 +125,8 @@ class AsyncTransformer(AsyncLM):
             team of its own, and past one team per core libgomp stops spinning between ops;
             a forward on its own thread took 1.4x longer with 2 threads than on the thread
             that loaded the model (SmolLM2-135M, 32 rows; BENCHMARKS.md 10).
+        parallel_forwards: forwards that may run at once, each on a thread of its own with
+            `forward_threads` torch threads (see the module docstring); 1 on a GPU.
     """
 
     backend_name = "hf"
@@ -134,10 +143,13 @@ class AsyncTransformer(AsyncLM):
         cache_size: int = 1024,
         revision: str = "unknown",
         forward_threads: int = 0,
+        parallel_forwards: int = 1,
         **vocab: Any,
     ) -> None:
         if batch_size < 1 or max_batch_tokens < 1 or timeout < 0:
             raise ValueError(f"bad batching limits: {batch_size=} {max_batch_tokens=} {timeout=}")
+        if parallel_forwards < 1:
+            raise ValueError(f"parallel_forwards={parallel_forwards}: at least one")
         super().__init__(tokenizer, **vocab)
         self.model = model.eval()
         self.batch_size = batch_size
@@ -153,8 +165,10 @@ class AsyncTransformer(AsyncLM):
         self._keep_kv = max_kv_tokens > 0
         self._forward_kwargs = forward_options(model)
         self.forward_threads = forward_threads or torch.get_num_threads()
+        self.parallel_forwards = parallel_forwards
+        self._gate = ForwardGate()
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="lmq-hf-forward",
+            max_workers=parallel_forwards, thread_name_prefix="lmq-hf-forward",
             initializer=torch.set_num_threads, initargs=(self.forward_threads,),
         )  # fmt: skip
         self._pending: OrderedDict[_Key, _Query] = OrderedDict()
@@ -162,13 +176,13 @@ class AsyncTransformer(AsyncLM):
         self._inflight: dict[_Key, asyncio.Future[torch.Tensor]] = {}
         self._lora = BatchedLora(self.model)
         self._timer: asyncio.TimerHandle | None = None
-        self._drainer: asyncio.Task[None] | None = None
+        self._forwards: set[asyncio.Task[None]] = set()  # taking or running a batch
         self._closed = False
 
     #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
     OPTIONS = frozenset(
         {"batch_size", "timeout", "max_batch_tokens", "max_kv_tokens", "cache_size", "revision",
-         "device", "bitsandbytes_opts", "forward_threads"}
+         "device", "bitsandbytes_opts", "forward_threads", "parallel_forwards"}
     )  # fmt: skip
 
     @classmethod
@@ -228,21 +242,21 @@ class AsyncTransformer(AsyncLM):
         return self._lora.names
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT LoRA adapter on the forward thread (between forwards); results and KV
+        """Load a PEFT LoRA adapter on a forward thread (between forwards); results and KV
         of an adapter of the same name it replaces are forgotten.
 
         Raises:
             AdaptersUnsupported: the adapter uses a feature `BatchedLora` cannot reproduce.
         """
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._lora.load, name, path)
+        await loop.run_in_executor(self._executor, self._alone, self._lora.load, name, path)
         self._cache.drop_adapter(name)
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self.adapter_names:
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._lora.unload, name)
+        await loop.run_in_executor(self._executor, self._alone, self._lora.unload, name)
         self._cache.drop_adapter(name)
 
     @property
@@ -281,13 +295,13 @@ class AsyncTransformer(AsyncLM):
             self._fail(query, Cancelled("query reset before its forward pass"))
 
     async def aclose(self) -> None:
-        """Cancel queued queries, let a running forward finish, and stop the forward thread."""
+        """Cancel queued queries, let running forwards finish, and stop the forward threads."""
         if self._closed:
             return
         self._closed = True
         self.reset_async_queries()
-        if self._drainer is not None:
-            await asyncio.wait([self._drainer])
+        if self._forwards:
+            await asyncio.wait(self._forwards)
         self._executor.shutdown(wait=True)
 
     def _enqueue(self, key: _Key) -> asyncio.Future[torch.Tensor]:
@@ -311,13 +325,16 @@ class AsyncTransformer(AsyncLM):
         return query
 
     def _schedule(self, now: bool = False) -> None:
-        """Start forwards if the queue is ready (or `now`), else arm the oldest query's timer."""
-        if self._drainer is not None or not self._pending or self._closed:
+        """Start a forward if one may start and the queue is ready (or `now`), else arm the
+        oldest query's timer (a forward that ends calls this again)."""
+        if not self._pending or self._closed or len(self._forwards) >= self.parallel_forwards:
             return
         loop = asyncio.get_running_loop()
         if now or self._batch_ready(loop):
             self._cancel_timer()
-            self._drainer = loop.create_task(self._drain())
+            task = loop.create_task(self._forward())
+            self._forwards.add(task)
+            task.add_done_callback(self._forward_done)
         elif self._timer is None:
             self._timer = loop.call_at(self._deadline(), self._on_timer)
 
@@ -336,16 +353,18 @@ class AsyncTransformer(AsyncLM):
     def _batch_ready(self, loop: asyncio.AbstractEventLoop) -> bool:
         return self._queued_callers >= self.batch_size or loop.time() >= self._deadline()
 
-    async def _drain(self) -> None:
-        """Run forwards while the queue stays ready; then hand back to the timer."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await self._run_batch(self._take_batch())
-                if not self._pending or not self._batch_ready(loop):
-                    break
-        finally:
-            self._drainer = None
+    async def _forward(self) -> None:
+        """Take a batch and compute it. Taken in the task, not when it is created: calls made
+        in the same turn of the loop as the one that filled the queue still join it."""
+        batch = self._take_batch()
+        self._schedule()  # another forward may start beside this one
+        await self._run_batch(batch)
+
+    def _forward_done(self, task: asyncio.Task[None]) -> None:
+        self._forwards.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("a forward task failed", exc_info=exc)
+        if not self._closed:
             self._schedule()
 
     def _take_batch(self) -> list[tuple[_Query, Row]]:
@@ -466,14 +485,22 @@ class AsyncTransformer(AsyncLM):
         return tuple(self.check_prompt(token_ids))
 
     def _submit(self, fn: Any, *args: Any) -> Any:
-        """Run `fn` on the forward thread and wait: one forward at a time, whoever calls."""
+        """Run `fn` on a forward thread and wait."""
         return self._executor.submit(fn, *args).result()
 
-    # -- the forward thread ----------------------------------------------------------------------
+    # -- the forward threads ---------------------------------------------------------------------
+    def _alone(self, change: Any, *args: Any) -> None:
+        """Change the model (`change(*args)`) while no forward runs."""
+        with self._gate.change():
+            change(*args)
+
     @torch.no_grad()
     def _compute(self, rows: list[Row]) -> list[Output]:
         keep_kv = self._keep_kv
-        outputs = run_rows(self.model, rows, keep_kv, self._forward_kwargs, self.stats, self._lora)
+        with self._gate.forward():
+            outputs = run_rows(
+                self.model, rows, keep_kv, self._forward_kwargs, self.stats, self._lora
+            )
         if keep_kv and any(not isinstance(o, BaseException) and o[1] is None for o in outputs):
             self._keep_kv = False  # this model's KV does not fit the segment layout; run without
         return outputs
@@ -481,7 +508,7 @@ class AsyncTransformer(AsyncLM):
     @torch.no_grad()
     def _uncached(self, tokens: tuple[int, ...], adapter: str | None = None) -> torch.Tensor:
         try:
-            with self._lora.rows([adapter]):
+            with self._gate.forward(), self._lora.rows([adapter]):
                 return plain_forward(self.model, tokens, self._forward_kwargs)
         except Exception as exc:
             raise model_error(exc) from exc

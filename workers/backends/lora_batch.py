@@ -29,7 +29,8 @@ QALoRA, layer replication, target parameters, and weights on anything but an ``n
 
 The adapter's matrices keep the base weight's dtype (float32 under a quantized base); PEFT
 computes half-precision models' LoRA term in float32, so rows there differ by rounding only.
-Not thread-safe: load, unload and forwards run on one thread (the backend's forward thread).
+Forwards may run on several threads at once (each thread's rows are its own); load and unload
+must not run beside a forward (the backend's `ForwardGate` sees to it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -76,8 +78,17 @@ class LoraLinear(nn.Module):
         self.layout: tuple[Any, ...] = ()
         self.a: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
-        #: Set by `BatchedLora.rows` for one forward; None: the plain Linear.
-        self.active: _Active | None = None
+        self._per_thread = threading.local()
+
+    @property
+    def active(self) -> _Active | None:
+        """What this thread's forward adds (set by `BatchedLora.rows`); None: the plain Linear.
+        Per thread: forwards on several threads at once each have rows of their own."""
+        return getattr(self._per_thread, "active", None)
+
+    @active.setter
+    def active(self, value: _Active | None) -> None:
+        self._per_thread.active = value
 
     @property
     def weight(self) -> torch.Tensor:

@@ -25,8 +25,10 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from .lora_batch import BatchedLora
 
 __all__ = [
+    "STAGING_GROWTH",
     "ForwardStats",
     "Output",
     "Row",
@@ -56,7 +59,7 @@ Output = tuple[torch.Tensor, "torch.Tensor | None"] | BaseException
 
 @dataclass
 class ForwardStats:
-    """Counters of the work done, for tests and benchmarks (written by the forward thread)."""
+    """Counters of the work done, for tests and benchmarks (written by the forward threads)."""
 
     forwards: int = 0
     rows: int = 0
@@ -65,6 +68,21 @@ class ForwardStats:
     reused_tokens: int = 0
     forward_s: float = 0.0
     oom_splits: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, rows: list[Row], seconds: float) -> None:
+        """One forward of `rows` that took `seconds` (forwards may end on several threads)."""
+        with self._lock:
+            self.forwards += 1
+            self.rows += len(rows)
+            self.new_tokens += sum(len(row.new_tokens) for row in rows)
+            self.reused_tokens += sum(row.past_len for row in rows)
+            self.forward_s += seconds
+
+    def count_split(self) -> None:
+        """A forward out of memory, retried as two halves."""
+        with self._lock:
+            self.oom_splits += 1
 
 
 @dataclass(frozen=True)
@@ -143,17 +161,13 @@ def run_rows(
         if not _is_oom(exc) or len(rows) == 1:
             logger.error("forward pass of %d rows failed", len(rows), exc_info=exc)
             return [exc] * len(rows)
-        stats.oom_splits += 1
+        stats.count_split()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         half = len(rows) // 2
         head = run_rows(model, rows[:half], keep_kv, forward_kwargs, stats, lora)
         return head + run_rows(model, rows[half:], keep_kv, forward_kwargs, stats, lora)
-    stats.forwards += 1
-    stats.rows += len(rows)
-    stats.new_tokens += sum(len(row.new_tokens) for row in rows)
-    stats.reused_tokens += sum(row.past_len for row in rows)
-    stats.forward_s += time.perf_counter() - started
+    stats.count(rows, time.perf_counter() - started)
     # Each row copied out: a view would keep the whole batch's vectors alive in the cache.
     return [(logprobs[i].clone(), segments[i]) for i in range(len(rows))]
 
@@ -242,17 +256,18 @@ def _has_sliding_window(config: Any) -> bool:
 def _past_cache(rows: list[Row], width_past: int, width_new: int) -> Any:
     """The rows' pasts, right-padded with zeros, as a per-layer cache holding one copy.
 
-    Each layer gets a block of its own with room for the new positions too (keys and values
-    are its two halves), and the model's attention writes the new positions into it
-    (`_layer_class`) where the stock layer would concatenate past and new into a fresh tensor
-    every forward: one allocation and one copy of the batch's past per forward instead of two.
-    A single block for all layers would instead have to live until the forward ends.
+    Each layer gets a block with room for the new positions too (keys and values are its two
+    halves), and the model's attention writes the new positions into it (`_layer_class`)
+    where the stock layer would concatenate past and new into a fresh tensor every forward.
+    The blocks are views of one ``(layers, 2, rows, heads, P + N, head_dim)`` tensor that the
+    forward thread keeps for its next forwards (`_KvStaging`): allocated anew, its ~5 MiB a
+    row were fresh pages every forward (SmolLM2 at 113 positions, 32 rows: 165 MiB), and the
+    page faults cost the worker a third of its CPU (BENCHMARKS.md 10).
 
     A row's past is a chain of trie segments, one per query that extended it (an SMC particle
-    24 steps in has ~25). Copying segment by segment into every layer cost layers x rows x
-    segments x 2 small copies, ~24,000 for 16 particles, as much time as the forward itself on
-    a CPU; each row's segments are joined once instead (one row's past at a time, ~5 MiB for
-    SmolLM2 at 125 positions), then copied in with one copy per layer and row.
+    24 steps in has ~25), and particles share their first segments. Each segment is copied
+    once for all its layers, and once for a run of adjacent rows that share it (the
+    prompt's, for every particle of a program) by broadcasting: no per-row concatenation.
     """
     from transformers import DynamicCache  # imported here: `workers.backends` stays light
 
@@ -261,24 +276,78 @@ def _past_cache(rows: list[Row], width_past: int, width_new: int) -> Any:
         return cache
     example = next(row.past[0] for row in rows if row.past)
     layers, _, heads, _, head_dim = example.shape
-    shape = (2, len(rows), heads, width_past + width_new, head_dim)
-    # empty, not zeros: every slot is written once, real positions by a copy, padding by a fill,
+    shape = (layers, 2, len(rows), heads, width_past + width_new, head_dim)
+    # not zeroed: every slot is written once, real positions by a copy, padding by a fill,
     # new positions by the model
-    blocks = [example.new_empty(shape) for _ in range(layers)]
+    kv = _staging.block(shape, example)
+    for segment, first, last, start in _shared_runs(rows):
+        end = start + segment.shape[3]
+        kv[:, :, first : last + 1, :, start:end] = segment.unsqueeze(2)
     for b, row in enumerate(rows):
-        length = 0
-        if row.past:
-            whole = row.past[0] if len(row.past) == 1 else torch.cat(row.past, dim=3)
-            length = whole.shape[3]
-            for layer, block in enumerate(blocks):
-                block[:, b, :, :length] = whole[layer]
-            del whole
-        if length < width_past:
-            for block in blocks:
-                block[:, b, :, length:width_past] = 0  # masked out; never garbage (NaN*0 is NaN)
+        if row.past_len < width_past:
+            kv[:, :, b, :, row.past_len : width_past] = 0  # masked out; never garbage (NaN*0)
     layer_class = _layer_class()
-    cache.layers.extend(layer_class(block, width_past) for block in blocks)
+    cache.layers.extend(layer_class(kv[layer], width_past) for layer in range(layers))
     return cache
+
+
+def _shared_runs(rows: list[Row]) -> list[tuple[torch.Tensor, int, int, int]]:
+    """``(segment, first row, last row, start position)``: each segment of the rows' pasts with
+    the run of adjacent rows holding that same segment object at the same position."""
+    runs: list[tuple[torch.Tensor, int, int, int]] = []
+    open_runs: dict[tuple[int, int], int] = {}  # (segment id, start) -> index in `runs`
+    for b, row in enumerate(rows):
+        start = 0
+        for segment in row.past:
+            key = (id(segment), start)  # the rows hold every segment: ids are not reused
+            index = open_runs.get(key)
+            if index is not None and runs[index][2] == b - 1:
+                runs[index] = (segment, runs[index][1], b, start)
+            else:
+                open_runs[key] = len(runs)
+                runs.append((segment, b, b, start))
+            start += segment.shape[3]
+    return runs
+
+
+class _KvStaging(threading.local):
+    """Each forward thread's tensor for its forwards' past KV, kept from one to the next.
+
+    A forward's KV views of it are gone when the forward returns (the new positions' KV is
+    cloned out by `_new_segments`), so the thread's next forward may overwrite it. It is
+    replaced when too small, and when more than `_STAGING_SPARE` times what a forward needs (a
+    batch of long prompts does not keep its size for good, while batches of 16 and 32 rows in
+    turn share one); it grows with `STAGING_GROWTH` to spare, so pasts growing by a token a
+    step do not replace it every forward (memory: one copy of the largest forward's past,
+    plus that spare, per forward thread). CPU only: a CUDA caching allocator already reuses
+    its blocks.
+    """
+
+    buffer: torch.Tensor | None = None
+
+    def block(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of `shape`, with `like`'s dtype and device."""
+        if like.device.type != "cpu":
+            return like.new_empty(shape)
+        needed = math.prod(shape)
+        held = self.buffer
+        if (
+            held is None
+            or held.dtype != like.dtype
+            or not needed <= held.numel() <= _STAGING_SPARE * needed + _STAGING_SLACK
+        ):
+            self.buffer = None  # the old one freed before the new one is allocated
+            self.buffer = held = like.new_empty(needed + int(needed * STAGING_GROWTH))
+        return held[:needed].view(shape)
+
+
+#: What a new staging tensor holds beyond the forward's need, as a fraction of it.
+STAGING_GROWTH = 1 / 16
+#: A staging tensor is kept while it holds at most this many times a forward's need ...
+_STAGING_SPARE = 4
+#: ... plus this many elements (so that small forwards keep it too).
+_STAGING_SLACK = 1 << 20
+_staging = _KvStaging()
 
 
 @functools.cache

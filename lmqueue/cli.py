@@ -8,6 +8,7 @@ lmq experiment {submit,status,list,cancel,results} ...                 manage ex
 lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
 lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
 lmq adapter {add,list,remove} MODEL ...                                LoRA adapters by name
+lmq keda-triggers --model MODEL                                        KEDA triggers per tenant
 
 Every command reports a failure as one line naming the error and what to do, and exits
 non-zero (2 for a wrong flag or setting); ``--verbose``, anywhere on the line, adds the
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lmqueue.scheduler.main import add_arguments as scheduler_arguments
     from lmqueue.workers.main import build_parser as worker_parser
 
-    from . import adapters_cli, demo, experiments_cli, status, tenants
+    from . import adapters_cli, demo, experiments_cli, keda_triggers, status, tenants
 
     parser = ArgumentParser(
         prog="lmq", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     adapters_cli.add_arguments(
         commands.add_parser("adapter", help="add, list or remove a model's LoRA adapters")
+    )
+    keda_triggers.add_arguments(
+        commands.add_parser("keda-triggers", help="KEDA triggers for every tenant's streams")
     )
     # Its own flags are parsed by lmqueue.bench (see `main`); listed here for `lmq --help`.
     commands.add_parser("bench", help="run a benchmark: lmq bench --help", add_help=False)
@@ -152,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             from . import adapters_cli
 
             return adapters_cli.run(args)
+        if args.command == "keda-triggers":
+            from . import keda_triggers
+
+            return keda_triggers.run(args)
         from . import demo
 
         return demo.run(args)

@@ -24,7 +24,7 @@ from typing import Any
 
 from lmqueue.shared.errors import BadRequest, SettingsError
 
-__all__ = ["add_arguments", "run", "parse_duration_s", "parse_time_s"]
+__all__ = ["add_arguments", "run", "parse_duration_s", "parse_time_s", "build_params"]
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -64,6 +64,9 @@ class LocalCluster:
         maxmemory: each node's ``maxmemory`` (0: unbounded).
         tls: (certificate, key) PEM files: TLS only, the certificate is also the CA clients
             verify the nodes with (``rediss://`` URLs).
+        acl_files: give each node an ACL file of its own (the default user as usual), so
+            users made with ``ACL SETUSER`` and saved (``ACL SAVE``, as ``lmq tenant`` does)
+            outlive a node's restart, as in a deployment.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class LocalCluster:
         node_timeout_ms: int = 1000,
         maxmemory: str = "0",
         tls: tuple[Path, Path] | None = None,
+        acl_files: bool = False,
     ) -> None:
         for tool in ("redis-server", "redis-cli"):
             if shutil.which(tool) is None:
@@ -82,6 +86,7 @@ class LocalCluster:
         self.node_timeout_ms = node_timeout_ms
         self.maxmemory = maxmemory
         self.tls = tls
+        self.acl_files = acl_files
         self.nodes = [ClusterNode(_free_node_port()) for _ in range(masters * (1 + replicas))]
         self._dir = Path(tempfile.mkdtemp(prefix="lmq-cluster-"))
 
@@ -132,13 +137,19 @@ class LocalCluster:
 
     def _spawn(self, node: ClusterNode) -> None:
         log = self._dir / f"redis-{node.port}.log"
+        acl: list[str] = []
+        if self.acl_files:
+            path = self._dir / f"users-{node.port}.acl"
+            if not path.exists():
+                path.write_text("user default on nopass ~* &* +@all\n")
+            acl = ["--aclfile", str(path)]
         node.process = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", *self._listen(node.port),
              "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{node.port}.conf",
              "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0",
              "--dir", str(self._dir),
-             "--maxmemory", self.maxmemory, "--logfile", str(log)],
+             "--maxmemory", self.maxmemory, "--logfile", str(log), *acl],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from redis.cluster import RedisCluster
+from redis.cluster import REPLICA, ClusterNode, RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from lmqueue.shared.admission_script import ADMISSION_LUA
@@ -213,6 +213,25 @@ class TenantAdmin:
         self._save_acl()
         return user_url(self.url, name, password)
 
+    def reapply_rules(self, worker: str = WORKER_USER) -> list[str]:
+        """Give every tenant's user and the workers' user the rules this version generates,
+        keeping their passwords; returns the users changed.
+
+        Rules change between versions (private adapters' records moved out of the hash every
+        tenant could read): until they are applied again, a user keeps what it was granted.
+        """
+        self.check_access()
+        changed = []
+        for row in self.tenants():
+            if row.has_user:
+                self._acl("SETUSER", row.config.name, *tenant_acl_rules(row.config, self.prefix))
+                changed.append(row.config.name)
+        if self._user_exists(worker):
+            self._acl("SETUSER", worker, *worker_acl_rules(self.prefix))
+            changed.append(worker)
+        self._save_acl()
+        return changed
+
     # -- helpers ---------------------------------------------------------------------------------
     def _store(self, config: TenantConfig) -> None:
         """Write the record, mirror its quotas, load the admission script, save the ACLs."""
@@ -264,8 +283,22 @@ class TenantAdmin:
 
 
 def _every_node(client: Any) -> dict[str, Any]:
-    """redis-py's routing argument sending a command to every node of a cluster client."""
-    return {"target_nodes": client.ALL_NODES} if isinstance(client, RedisCluster) else {}
+    """redis-py's routing argument sending a command to every node of a cluster client.
+
+    Every node ``CLUSTER NODES`` lists, replicas included: redis-py knows only the nodes of
+    ``CLUSTER SLOTS``, which leaves out replicas that hold no data yet (a new cluster's), and
+    a replica without the users locks every tenant out once a failover promotes it (found by
+    ``lmq bench soak --cluster``).
+    """
+    if not isinstance(client, RedisCluster):
+        return {}
+    nodes = {node.name: node for node in client.get_nodes()}
+    for address, info in client.cluster_nodes().items():
+        flags = str(info.get("flags", ""))
+        if address not in nodes and "fail" not in flags and "noaddr" not in flags:
+            host, port = address.rsplit(":", 1)
+            nodes[address] = ClusterNode(host, int(port), REPLICA)
+    return {"target_nodes": list(nodes.values())}
 
 
 def _text(value: Any) -> str:

@@ -6,6 +6,7 @@
     lmq tenant list
     lmq tenant remove NAME
     lmq tenant worker-user [--name lmq-worker]                  prints the workers' URL
+    lmq tenant reapply [--worker-user lmq-worker]               this version's rules for all
 
 ``--redis-url`` carries the operator's admin credentials (default: ``$LMQ_REDIS_URL``, else
 ``$REDIS_URL``, else 127.0.0.1:6379, said on stderr); the URL printed first carries the same
@@ -101,7 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     remove.add_argument("name")
     worker = actions.add_parser("worker-user", help="create or reset the workers' ACL user")
     worker.add_argument("--name", default=WORKER_USER)
-    for action in (add, change, listing, remove, worker):
+    reapply = actions.add_parser(
+        "reapply", help="give every tenant and the workers' user this version's rules "
+        "(after an upgrade; passwords stay)",
+    )  # fmt: skip
+    reapply.add_argument("--worker-user", default=WORKER_USER)
+    for action in (add, change, listing, remove, worker, reapply):
         _connection_options(action, defaults=False)
 
 
@@ -146,6 +152,9 @@ def _act(admin: TenantAdmin, args: argparse.Namespace) -> int:
     elif args.action == "remove":
         admin.remove(args.name)
         print(f"removed tenant {args.name}")
+    elif args.action == "reapply":
+        users = admin.reapply_rules(args.worker_user)
+        print(f"applied this version's rules to {', '.join(users) or 'no user'}")
     else:
         print(admin.worker_user(args.name))
     if args.action != "list":

@@ -8,11 +8,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WorkerProcess"]
+__all__ = ["WorkerProcess", "child_environment"]
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with `extra` on top, for a child process (read nowhere
+    else: settings come from `shared.settings` alone)."""
+    return {**os.environ, **extra}
 
 
 class WorkerProcess:
@@ -52,7 +58,7 @@ class WorkerProcess:
         ]
         if backend_opts:
             self.args += ["--backend-opts", json.dumps(backend_opts)]
-        self.env = {**os.environ, **(env or {})}
+        self.env = child_environment(env or {})
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="lmq-worker-"))
         self.log_path = log_dir / f"{name}.log"
         self.process: subprocess.Popen[bytes] | None = None

@@ -74,13 +74,21 @@ class ClaimResolver:
         except Exception as exc:  # the inline path does not need the cache
             logger.warning("reading %d claimed results failed: %s", len(keys), exc)
             values = [None] * len(keys)
+        found, missed = self.match(claims, values)
+        self.record(len(found), len(missed))
+        return found, missed
+
+    def match(
+        self, claims: Sequence[Reply], values: Sequence[Any]
+    ) -> tuple[list[Reply], list[Reply]]:
+        """Pair claims with the values read for them: replies carrying the vectors found, and
+        the claims that missed (any thread may call it; `record` the counts on the loop)."""
         found, missed = [], []
         for reply, value in zip(claims, values, strict=True):
             if holds_vector(value, reply.dtype, self.vector_size):
                 found.append(Reply(reply.request_id, value, reply.dtype, cached=reply.cached))
             else:
                 missed.append(reply)
-        self._record(len(found), len(missed))
         return found, missed
 
     async def _mget(self, keys: list[Any]) -> list[Any]:
@@ -91,7 +99,8 @@ class ClaimResolver:
             raise values
         return list(values)
 
-    def _record(self, hits: int, misses: int) -> None:
+    def record(self, hits: int, misses: int) -> None:
+        """Count resolved and missed claims; pause claim-checks if most of them miss."""
         self.resolved += hits
         self.missed += misses
         self._window[0] += hits

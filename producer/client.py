@@ -1,7 +1,7 @@
 """`QueueLM`: an `AsyncLM` whose log-probabilities are computed by workers through Redis.
 
 A call validates the prompt locally (the same checks and error types as the worker), looks in
-a local LRU, and otherwise travels through the client's `RequestChannel` (slots, dedup,
+a local LRU, and otherwise travels through the client's `RequestChannel` (in-flight permits, dedup,
 micro-batched submission, one reply reader). `connect` reads the model's info, tokenizer and
 vocabulary from the registry the workers publish, so a client needs no model files; it is
 the boundary where redis-py's exceptions become `Unavailable` (or `Forbidden`, `Busy`).
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmqueue.shared.errors import UnknownModel
+from lmqueue.shared.errors import Unavailable, UnknownModel
+from lmqueue.shared.heap_reuse import keep_freed_vectors_mapped
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.tokens import Token
@@ -143,12 +144,29 @@ class QueueLM(SyncFacade, AsyncLM):
             SettingsError: for an override that is no `ClientSettings` field.
         """
         settings = ClientSettings.resolve(settings, redis_url, cache_url=cache_url, **overrides)
+        if settings.heap_reuse:
+            keep_freed_vectors_mapped()
+        deadline = time.monotonic() + settings.connect_timeout_s
+        while True:  # Redis away mid-connect (restarting, loading its AOF): try again
+            try:
+                return await cls._connect_once(model, settings, adapter, deadline)
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+    @classmethod
+    async def _connect_once(
+        cls, model: str, settings: ClientSettings, adapter: str | None, deadline: float
+    ) -> QueueLM:
+        """One try of `connect`, waiting for the model until `deadline`."""
         redis = await connect_queue(settings.redis)
         roles = RedisRoles(redis, redis, settings.redis.url, separate=False)
         try:
             with redis_boundary(f"connecting to {model!r}", settings.redis.url):
                 registry = ModelRegistry(redis, settings.redis.keyspace())
-                info = await _wait_for_model(registry, model, settings.connect_timeout_s)
+                wait_s = max(deadline - time.monotonic(), 0.0)
+                info = await _wait_for_model(registry, model, wait_s)
                 run_id = await server_run_id(redis)
                 files = await registry.tokenizer_files(model)
                 vocab = await registry.byte_vocab(model)
@@ -261,7 +279,8 @@ class QueueLM(SyncFacade, AsyncLM):
         self.local_cache.clear()
 
     async def request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
-        """Submit (or join) one request and wait for its raw result vector (read-only).
+        """Submit (or join) one request and wait for its result vector (16-bit ones widened
+        to float32).
 
         The layer under `next_token_logprobs` and `QueueTrie`; see `RequestChannel.request`.
         """

@@ -28,6 +28,8 @@ import numpy as np
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded, LMQueueError
 from lmqueue.shared.wire import Reply, Request
 
+from .tensors import widened
+
 __all__ = ["Pending", "InflightTable"]
 
 logger = logging.getLogger(__name__)
@@ -148,8 +150,8 @@ class InflightTable:
             return False
         if reply.error is not None:
             self._settle(pending, error=reply.error)
-        else:
-            self._settle(pending, value=reply.vector())
+        else:  # the reply thread widened it already; other paths' 16-bit vectors are widened here
+            self._settle(pending, value=widened(reply).vector())
         return True
 
     def fail(self, request_id: str, error: LMQueueError) -> None:

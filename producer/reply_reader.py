@@ -17,13 +17,17 @@ Claim-check replies (a cache key instead of the vector) of one read are resolved
 a `ClaimResolver`, one MGET on the cache instance; the requests whose keys are gone are handed
 to ``on_claim_missed`` to be asked again for inline replies.
 
-Replies are read through a `RespPipe` where one can connect (not TLS; on a cluster a `SlotPipe`
-aims it at the node serving the reply stream): vectors are received straight into the arrays
-handed out, instead of being copied five times by redis-py.
+Three ways to read, fastest first. On a plain single instance a `ReplyThread` reads, resolves
+claims and widens float16 vectors on a thread of its own, and the next read is asked for
+before the last one's replies are settled, so receiving overlaps the programs that consume
+them. On a cluster a `SlotPipe` (a `RespPipe` aimed at the node serving the reply stream)
+receives vectors in place on the event loop; over TLS redis-py reads. The loop settles every
+read the same way (`ReplyBatch`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -31,43 +35,25 @@ from typing import Any
 
 from lmqueue.shared.backoff import Backoff
 from lmqueue.shared.connections import bounded, is_cluster
-from lmqueue.shared.errors import MalformedMessage, Unavailable
+from lmqueue.shared.errors import Unavailable
 from lmqueue.shared.redis_errors import REDIS_DOWN
-from lmqueue.shared.wire import Reply, decode_reply
+from lmqueue.shared.wire import Reply
 
 from .claims import ClaimResolver
 from .inflight import InflightTable
+from .reply_batch import ReplyBatch, after, decode_entries, run_id_of
+from .reply_thread import ReplyThread
 from .resp_pipe import RespPipe
 from .slot_pipe import SlotPipe
 
-__all__ = ["ReplyReader", "server_run_id"]
+__all__ = ["ReplyReader", "server_run_id", "BLOCK_MS"]
 
 logger = logging.getLogger(__name__)
 
-_BLOCK_MS = 1000
+#: How long one read blocks for new replies.
+BLOCK_MS = 1000
 #: How often the server's identity is checked while all is well.
 _IDENTITY_CHECK_S = 1.0
-
-
-def _pairs(flat: list[Any]) -> dict[bytes, Any]:
-    """A stream entry's fields from the flat [name, value, name, value, ...] of RESP."""
-    items = iter(flat)
-    return dict(zip(items, items, strict=False))  # Redis always sends them in pairs
-
-
-def _run_id_of(info: Any) -> str:
-    """The ``run_id`` line of an ``INFO server`` reply."""
-    for line in bytes(info).split(b"\r\n"):
-        if line.startswith(b"run_id:"):
-            return line[7:].decode()
-    raise ValueError("INFO server lacks run_id")
-
-
-def _after(entry_id: bytes | str) -> str:
-    """The smallest stream id greater than `entry_id`."""
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    ms, seq = text.split("-")
-    return f"{ms}-{int(seq) + 1}"
 
 
 async def server_run_id(redis: Any) -> str:
@@ -88,7 +74,8 @@ class ReplyReader:
 
     Args:
         on_restart: called when the server turns out to be a new process (restarted).
-        pipe: the connection replies are read on; None reads through `redis` (redis-py).
+        pipe: the connection replies are read on, on the loop; None reads through `redis`.
+        thread: reads on a thread of its own instead (takes precedence over `pipe`).
         claims: resolves claim-check replies; None treats every claim as missed.
         on_claim_missed: called with the ids of pending requests whose claimed results were
             gone, to ask for them again inline.
@@ -109,10 +96,12 @@ class ReplyReader:
         claims: ClaimResolver | None = None,
         on_claim_missed: Callable[[list[str]], None] | None = None,
         pipe: RespPipe | SlotPipe | None = None,
+        thread: ReplyThread | None = None,
     ) -> None:
         self.redis = redis
         self._cluster = is_cluster(redis)
         self.pipe = pipe
+        self.thread = thread
         self.stream = stream
         self.inflight = inflight
         self.on_restart = on_restart
@@ -128,42 +117,62 @@ class ReplyReader:
         self._next_check_s = 0.0
 
     async def run(self) -> None:
-        """Read forever (cancel to stop)."""
-        backoff = Backoff()
-        while True:
-            try:
-                entries = await bounded(
-                    self._read(), _BLOCK_MS / 1000 + self.stall_timeout_s, "reply stream read"
-                )
-            except REDIS_DOWN as exc:
-                if not backoff.failing:
-                    logger.warning("reply stream read failed (%s); reconnecting", exc)
-                self._next_check_s = 0.0  # who answers next may be a new server
-                await backoff.wait()
-                continue
-            except Exception:  # never let the only reader die; deadlines bound the damage
-                logger.exception("reading replies failed; retrying")
-                await backoff.wait()
-                continue
-            if backoff.reset():
-                self.reconnects += 1
-                logger.info("reply stream reconnected")
-            claimed = self._settle(entries)
-            if claimed:
-                await self._resolve_claims(claimed)
+        """Read forever (cancel to stop).
 
-    async def _read(self) -> list[tuple[Any, dict[bytes, Any]]]:
+        On the reply thread the next read is under way while a read's replies are settled.
+        """
+        backoff = Backoff()
+        timeout_s = BLOCK_MS / 1000 + self.stall_timeout_s
+        reading: asyncio.Future[ReplyBatch] | None = None
+        try:
+            while True:
+                if reading is None:
+                    reading = asyncio.ensure_future(self._read())
+                try:
+                    batch = await bounded(reading, timeout_s, "reply stream read")
+                except REDIS_DOWN as exc:
+                    if not backoff.failing:
+                        logger.warning("reply stream read failed (%s); reconnecting", exc)
+                    self._next_check_s = 0.0  # who answers next may be a new server
+                    reading = None
+                    await backoff.wait()
+                    continue
+                except Exception:  # never let the only reader die; deadlines bound the damage
+                    logger.exception("reading replies failed; retrying")
+                    reading = None
+                    await backoff.wait()
+                    continue
+                if backoff.reset():
+                    self.reconnects += 1
+                    logger.info("reply stream reconnected")
+                if batch.last_id is not None:
+                    self._last_id = batch.last_id
+                reading = None
+                if self.thread is not None:  # the next read, under way while these settle
+                    reading = asyncio.ensure_future(self._read())
+                    await asyncio.sleep(0)  # it starts now: submitted to the thread
+                await self._take(batch)
+        finally:
+            if reading is not None:
+                reading.cancel()
+
+    async def _read(self) -> ReplyBatch:
         """Trim what was read, check the server when due, block for new replies: one trip."""
         check = time.monotonic() >= self._next_check_s
-        trim = _after(self._last_id) if self._last_id != "0-0" else None
-        read = self._read_pipe if self.pipe is not None else self._read_redis_py
-        run_id, entries = await read(trim, check)
-        if run_id is not None:
+        trim = after(self._last_id) if self._last_id != "0-0" else None
+        if self.thread is not None and not self._cluster:
+            batch = await self.thread.read(
+                self.stream, self._last_id, trim, check, self.read_count, BLOCK_MS
+            )
+        else:
+            read = self._read_pipe if self.pipe is not None else self._read_redis_py
+            batch = await read(trim, check)
+        if batch.run_id is not None:
             self._next_check_s = time.monotonic() + _IDENTITY_CHECK_S
-            self._observe(run_id)
-        return entries
+            self._observe(batch.run_id)
+        return batch
 
-    async def _read_pipe(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
+    async def _read_pipe(self, trim: str | None, check: bool) -> ReplyBatch:
         assert self.pipe is not None
         # on a cluster the pipe reaches one node; the masters' identities come through redis-py
         run_id = await server_run_id(self.redis) if check and self._cluster else None
@@ -173,20 +182,18 @@ class ReplyReader:
             commands.append(("XTRIM", self.stream, "MINID", trim))
         if inline_check:
             commands.append(("INFO", "server"))
-        commands.append(("XREAD", "COUNT", self.read_count, "BLOCK", _BLOCK_MS, "STREAMS",
+        commands.append(("XREAD", "COUNT", self.read_count, "BLOCK", BLOCK_MS, "STREAMS",
                          self.stream, self._last_id))  # fmt: skip
         results = await self.pipe.execute(*commands)
         for result in results:
             if isinstance(result, Exception):
                 raise result
         if inline_check:
-            run_id = _run_id_of(results[-2])
-        if not results[-1]:
-            return run_id, []
-        entries = results[-1][0][1]
-        return run_id, [(entry_id, _pairs(fields)) for entry_id, fields in entries]
+            run_id = run_id_of(results[-2])
+        batch = ReplyBatch(run_id=run_id)
+        return decode_entries(results[-1][0][1], batch) if results[-1] else batch
 
-    async def _read_redis_py(self, trim: str | None, check: bool) -> tuple[str | None, list[Any]]:
+    async def _read_redis_py(self, trim: str | None, check: bool) -> ReplyBatch:
         # a cluster pipeline sends commands to their keys' nodes: INFO of every master goes apart
         run_id = await server_run_id(self.redis) if check and self._cluster else None
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -194,12 +201,13 @@ class ReplyReader:
                 pipe.xtrim(self.stream, minid=trim, approximate=False)
             if check and not self._cluster:
                 pipe.info("server")
-            pipe.xread({self.stream: self._last_id}, count=self.read_count, block=_BLOCK_MS)
+            pipe.xread({self.stream: self._last_id}, count=self.read_count, block=BLOCK_MS)
             results = await pipe.execute()
         if check and not self._cluster:
             run_id = str(results[-2]["run_id"])
         reply = results[-1]
-        return run_id, list(reply[0][1]) if reply else []
+        batch = ReplyBatch(run_id=run_id)
+        return decode_entries(reply[0][1], batch) if reply else batch
 
     def _observe(self, run_id: str) -> None:
         """Note the server's identity; a new one means Redis restarted."""
@@ -212,33 +220,42 @@ class ReplyReader:
             self.on_restart()
         self.run_id = run_id
 
-    def _settle(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> list[Reply]:
-        """Settle each reply's request; return the claim-checks of requests still waiting."""
-        claimed = []
-        for entry_id, fields in entries:
-            self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            self.replies_read += 1
-            try:
-                reply = decode_reply(fields)
-            except MalformedMessage as exc:
-                request_id = exc.data.get("request_id")
-                logger.warning("undecodable reply %s: %s", self._last_id, exc.message)
-                if isinstance(request_id, str):
-                    self.inflight.fail(request_id, exc)
-                continue
-            if reply.claim is None:
-                self.inflight.resolve(reply)
-            elif self.inflight.get(reply.request_id) is not None:
-                claimed.append(reply)
-            else:
-                self.inflight.duplicate_replies += 1
-        return claimed
+    async def _take(self, batch: ReplyBatch) -> None:
+        """Settle a read's replies; resolve its claim-checks (unless the thread did)."""
+        self.replies_read += batch.read
+        for entry_id, exc in batch.malformed:
+            request_id = exc.data.get("request_id")
+            logger.warning("undecodable reply %s: %s", entry_id, exc.message)
+            if isinstance(request_id, str):
+                self.inflight.fail(request_id, exc)
+        inflight = self.inflight
+        for reply in batch.ready:
+            inflight.resolve(reply)
+        if batch.found or batch.missed:
+            if self.claims is not None:
+                self.claims.record(batch.found, len(batch.missed))
+            self._missed(batch.missed)
+        claimed = [r for r in batch.claims if self._waiting(r)]
+        if claimed:
+            await self._resolve_claims(claimed)
+
+    def _waiting(self, reply: Reply) -> bool:
+        """Whether a claim-check's request still waits (else it is a duplicate)."""
+        if self.inflight.get(reply.request_id) is not None:
+            return True
+        self.inflight.duplicate_replies += 1
+        return False
 
     async def _resolve_claims(self, claimed: list[Reply]) -> None:
         """Fetch the claimed vectors (one MGET); ask again inline for those that are gone."""
         found, missed = await self.claims.fetch(claimed) if self.claims else ([], claimed)
         for reply in found:
             self.inflight.resolve(reply)
+        self._missed(missed)
+
+    def _missed(self, missed: list[Reply]) -> None:
+        """Ask again inline for requests whose claimed results were gone."""
+        missed = [reply for reply in missed if self._waiting(reply)]
         if not missed:
             return
         if self.on_claim_missed is not None:

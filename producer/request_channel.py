@@ -1,15 +1,16 @@
 """`RequestChannel`: everything that carries one client's requests to the workers and back.
 
-A request takes an in-flight slot (at most ``max_inflight`` distinct requests are outstanding,
+A request takes an in-flight permit (at most ``max_inflight`` distinct requests are outstanding,
 which bounds this client's memory and the replies queued for it in Redis however slowly it
-reads them; further callers wait for a slot within their own deadline), joins an identical
+reads them; further callers wait for a permit within their own deadline), joins an identical
 in-flight request if there is one, and otherwise gets a request id and a deadline in the
 `InflightTable`. The `Submitter` sends requests in micro-batches (shared-cache hits never
-reach a worker); the `ReplyReader` settles them from this client's reply stream (vectors are
-received in place by a `RespPipe`, claim-checks fetched from the shared cache by the
-`ClaimResolver`) and resubmits everything in flight when Redis restarted. Both are tasks the
-channel owns between `start` and `close`; `close` fails whatever is still pending with
-`Cancelled`.
+reach a worker); the `ReplyReader` settles them from this client's reply stream (read on a
+`ReplyThread` of the client's own where Redis is a plain single instance: vectors received in
+place, claim-checks fetched from the shared cache, 16-bit vectors widened, all off the event
+loop) and resubmits everything in flight when Redis restarted. Both are tasks the channel
+owns between `start` and `close` (the reply thread with them); `close` fails whatever is
+still pending with `Cancelled`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded
 from lmqueue.shared.partitions import Partitioning, stream_partitions
 from lmqueue.shared.registry import ModelInfo
+from lmqueue.shared.resp_socket import target_of
 from lmqueue.shared.settings import ClientSettings
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import Request
@@ -37,17 +39,20 @@ from lmqueue.shared.wire import Request
 from .admission import Admission
 from .claims import ClaimResolver
 from .inflight import InflightTable, Pending
-from .reply_reader import ReplyReader
+from .inflight_permits import InflightPermits
+from .reply_reader import BLOCK_MS, ReplyReader
+from .reply_thread import ReplyThread
 from .resp_pipe import RespPipe
 from .slot_pipe import SlotPipe
-from .slots import Slots
 from .submitter import Submitter
 
 __all__ = ["RequestChannel"]
 
+_BLOCK_S = BLOCK_MS / 1000
+
 
 class RequestChannel:
-    """One client's send and receive sides, its in-flight requests and their slots.
+    """One client's send and receive sides, its in-flight requests and their permits.
 
     Args:
         info: the model's published info (its name, revision and backlog bound are used).
@@ -79,8 +84,8 @@ class RequestChannel:
         if cache_namespace:
             keys = keys.for_tenant(keys.tenant, cache_namespace)
         stall_timeout_s = settings.redis.stall_timeout_s
-        self.slots = Slots(settings.max_inflight)
-        self.inflight = InflightTable(self.client_id, on_settled=self.slots.release)
+        self.permits = InflightPermits(settings.max_inflight)
+        self.inflight = InflightTable(self.client_id, on_settled=self.permits.release)
         shared = (
             SharedCache(
                 cache_redis, keys, info.name, info.revision, stall_timeout_s, info.vector_size
@@ -104,6 +109,7 @@ class RequestChannel:
         self.claims = ClaimResolver(
             cache_redis, stall_timeout_s, pipe=claims_pipe, vector_size=info.vector_size
         )
+        self.thread = self._reply_thread(redis, cache_redis, settings)
         self.keys = keys
         self.submitter = Submitter(
             self.inflight, shared, self._admissions(info), stall_timeout_s,
@@ -113,9 +119,25 @@ class RequestChannel:
             redis, keys.replies(self.client_id), self.inflight, on_restart=self._restarted,
             read_count=settings.read_count, run_id=run_id, stall_timeout_s=stall_timeout_s,
             claims=self.claims, on_claim_missed=self._ask_inline, pipe=replies_pipe,
+            thread=self.thread,
         )  # fmt: skip
         self._tasks: list[asyncio.Task[None]] = []
         self.closed = False
+
+    def _reply_thread(
+        self, redis: Any, cache_redis: Any, settings: ClientSettings
+    ) -> ReplyThread | None:
+        """A reply thread, where the queue and the cache are plain single instances."""
+        if not (RespPipe.supports(settings.redis.url) and self.pipes[1] is not None):
+            return None
+        replies, cache = target_of(redis), target_of(cache_redis)
+        if replies is None or cache is None:
+            return None
+        redis_settings = settings.redis
+        return ReplyThread(
+            replies, cache, self.claims, redis_settings.connect_timeout_s,
+            _BLOCK_S + redis_settings.stall_timeout_s,
+        )  # fmt: skip
 
     def _admissions(self, info: ModelInfo) -> list[Admission]:
         """One admission per request stream of the model (per partition, if it has several)."""
@@ -158,12 +180,17 @@ class RequestChannel:
         for pipe in self.pipes:
             if pipe is not None:
                 pipe.close()
+        if self.thread is not None:
+            self.thread.close()
         # Replies still on their way recreate the stream, with the workers' TTL on it.
         with contextlib.suppress(Exception):
             await bounded(self.redis.delete(self.reader.stream), 1.0, "deleting replies")
 
     async def request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
-        """Submit (or join) one request and wait for its raw result vector (read-only).
+        """Submit (or join) one request and wait for its result vector.
+
+        The vector is as it travelled, except that float16 and bfloat16 ones come widened to
+        float32; a writable one is the first caller's own, later callers get copies.
 
         Args: the prompt as little-endian int32 bytes, the kind (``logprobs`` or ``mass``),
         the wire dtype, and for masses the `Request` fields ``mass_op``, ``node_bytes``,
@@ -185,23 +212,23 @@ class RequestChannel:
     async def _new_request(
         self, dedup_key: Hashable, token_bytes: bytes, kind: str, dtype: str, extra: dict[str, Any]
     ) -> Pending:
-        """Take an in-flight slot (waiting within the deadline if all are taken) and submit.
+        """Take an in-flight permit (waiting within the deadline if all are taken) and submit.
 
-        The slot is given back when the request settles, however it settles (`InflightTable`).
+        The permit is given back when the request settles, however it settles (`InflightTable`).
         """
         timeout_s = self.settings.timeout_s
         started = time.time()
         try:
-            if not self.slots.take_now():  # not asyncio.timeout: see shared.connections.bounded
-                await asyncio.wait_for(self.slots.take(), timeout_s or None)
+            if not self.permits.take_now():  # not asyncio.timeout: see shared.connections.bounded
+                await asyncio.wait_for(self.permits.take(), timeout_s or None)
         except TimeoutError:
             raise DeadlineExceeded(
-                f"no in-flight slot within {timeout_s:g} s (max_inflight="
+                f"no in-flight permit within {timeout_s:g} s (max_inflight="
                 f"{self.settings.max_inflight})", timeout_s=timeout_s,
             ) from None  # fmt: skip
         joined = self.inflight.find(dedup_key)  # made by another caller while this one waited
         if joined is not None or self.closed:
-            self.slots.release()
+            self.permits.release()
             if joined is None:
                 raise Cancelled("the client is closed")
             return joined

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmqueue.shared.wire import cast_in_chunks
+from lmqueue.shared.serial_torch import imported_torch
+from lmqueue.shared.wire import Reply, cast_in_chunks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["to_float32_tensor", "to_float32_array", "as_tensor", "as_array"]
+__all__ = ["to_float32_tensor", "to_float32_array", "as_tensor", "as_array", "widened"]
 
 
 def to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
@@ -51,6 +52,34 @@ def to_float32_array(vector: np.ndarray) -> np.ndarray:
     if vector.dtype == _SINGLE and _NATIVE:
         return vector if vector.flags.writeable else vector.copy()
     return vector.astype(np.float32)
+
+
+def widened(reply: Reply) -> Reply:
+    """`reply` with a float16 or bfloat16 vector widened to a float32 one of its own (others
+    as they are).
+
+    The client's reply thread calls it, so callers on the event loop get float32 vectors they
+    can take over as they are. float16: torch converts (serially, on a thread of lmqueue's
+    own: `shared.serial_torch`) where a program imported it; a numpy-only program gets numpy's
+    slower conversion, as it would have anyway. bfloat16 is the upper half of a float32:
+    one numpy shift, exact.
+    """
+    payload = reply.payload
+    if payload is None or not _NATIVE or reply.dtype not in ("float16", "bfloat16"):
+        return reply
+    if reply.dtype == "bfloat16":
+        bits = np.frombuffer(payload, dtype=np.uint16)
+        wide = np.left_shift(bits, 16, dtype=np.uint32)
+        return Reply(reply.request_id, wide.data.cast("B"), "float32", cached=reply.cached)
+    half = np.frombuffer(payload, dtype=_HALF)
+    torch = imported_torch()
+    if torch is None:
+        out = half.astype(np.float32)
+    else:
+        out = np.empty(half.shape[0], dtype=np.float32)
+        source = torch.from_numpy(half if half.flags.writeable else half.copy())
+        cast_in_chunks(torch.from_numpy(out), source)
+    return Reply(reply.request_id, out.data.cast("B"), "float32", cached=reply.cached)
 
 
 def as_tensor(value: Any) -> torch.Tensor:

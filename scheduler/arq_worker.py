@@ -31,7 +31,10 @@ from .run import ExperimentRun, SchedulerRuntime
 from .serialization import pack, unpack
 from .settings import CronEntry, SchedulerSettings
 
-__all__ = ["build_worker", "serve"]
+__all__ = ["build_worker", "run_experiment", "serve"]
+
+#: arq keeps a job's result at most this long (the experiment's record says the same).
+_ARQ_RESULT_S = 24 * 3600
 
 
 async def run_experiment(ctx: dict[str, Any], tenant: str, experiment_id: str) -> dict[str, Any]:
@@ -103,7 +106,8 @@ def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) 
         "job_deserializer": unpack,
         "max_jobs": settings.max_jobs,
         "poll_delay": settings.poll_delay_s,
-        "keep_result": 24 * 3600,
+        # arq's result only repeats the record's final status: kept no longer than the record
+        "keep_result": min(settings.keep_finished_s or _ARQ_RESULT_S, _ARQ_RESULT_S),
         "on_startup": _startup,
         "on_shutdown": _shutdown,
         "ctx": {"settings": settings, "planes": planes},

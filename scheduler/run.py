@@ -39,6 +39,9 @@ from .limits import TenantLimit
 from .outage import retrying
 from .settings import SchedulerSettings
 
+#: Old index entries looked at per finished experiment (each finish prunes some: it keeps up).
+_PRUNED = 64
+
 __all__ = ["ExperimentRun", "SchedulerRuntime"]
 
 logger = logging.getLogger(__name__)
@@ -220,8 +223,29 @@ class ExperimentRun:
         await asyncio.shield(
             retrying(lambda: self.redis.hset(self.record, mapping=mapping), f"finishing {self.id}")
         )
+        await asyncio.shield(retrying(self._keep_for_a_while, f"expiring {self.id}"))
         logger.info("experiment %s of %s: %s %s", self.id, self.tenant, status, error)
         return {"status": status, "error": error}
+
+    async def _keep_for_a_while(self) -> None:
+        """A finished experiment's record and results expire after ``keep_finished_s``, and
+        the tenant's index forgets the ids whose record has gone: kept forever, every
+        experiment would grow the queue Redis (``noeviction``) for good (``lmq bench soak``)."""
+        keep_ms = int(self.settings.keep_finished_s * 1000)
+        if keep_ms <= 0:
+            return
+        await self.redis.pexpire(self.record, keep_ms)
+        await self.redis.pexpire(self.keys.experiment_results(self.id), keep_ms)
+        index = self.keys.experiment_index()
+        cutoff_ms = int(time.time() * 1000) - keep_ms
+        old = await self.redis.zrangebyscore(index, "-inf", cutoff_ms, start=0, num=_PRUNED)
+        gone = []
+        for raw in old:
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if not await self.redis.exists(self.keys.experiment_record(name)):
+                gone.append(raw)
+        if gone:
+            await self.redis.zrem(index, *gone)
 
 
 def _adapter_param(params: dict[str, Any]) -> str | None:

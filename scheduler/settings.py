@@ -89,6 +89,9 @@ class SchedulerSettings:
     max_attempts: int = 3
     #: the longest an experiment may run
     job_timeout_s: int = 7 * 24 * 3600
+    #: a finished experiment's record and results are kept this long, then expire (0: kept
+    #: forever, and the queue Redis grows with every experiment)
+    keep_finished_s: float = 30 * 24 * 3600
     poll_delay_s: float = 0.5
     #: how often an experiment waiting for its tenant's limit asks again
     limit_retry_s: float = 1.0
@@ -105,6 +108,8 @@ class SchedulerSettings:
         for name in ("max_jobs", "max_running_per_tenant", "lease_s", "max_attempts"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.keep_finished_s < 0:
+            raise SettingsError(f"keep_finished_s={self.keep_finished_s!r}: must be >= 0")
         for name, spec in self.kinds.items():
             if ":" not in spec:
                 raise SettingsError(f"kinds.{name}={spec!r}: expected 'module:function'")

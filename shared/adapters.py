@@ -4,8 +4,11 @@ An adapter is served by name. Its record in the model's registry entry
 (``lmq:model:{<model>}:adapters``, a hash: name -> msgpack record) says where its PEFT
 directory is, a digest of its files (`revision`) and whether it is public or private to one
 tenant. Workers load every record of their model (at start and then every few seconds), so
-``lmq adapter add`` reaches running workers without a restart; clients read the records to
-check names and to build cache keys.
+``lmq adapter add`` reaches running workers without a restart; clients read the records they
+may use to check names and to build cache keys: copies of the public ones and of their
+tenant's private ones (`shared.adapter_views`). No tenant can read another's private
+records, not even their names: a private adapter's name and directory say what its tenant
+works on.
 
 Why a revision: a name may be given new weights (``lmq adapter add`` again with another
 directory). Cached rows are keyed on the adapter's revision, never on its name alone, so rows
@@ -26,7 +29,8 @@ from typing import Any
 
 import msgpack
 
-from .errors import Forbidden, InvalidName, MalformedMessage, UnknownAdapter
+from .adapter_views import MOVE_LUA, REBUILD_LUA, rebuild_arguments
+from .errors import Busy, Forbidden, InvalidName, MalformedMessage, UnknownAdapter
 from .keys import KeySpace
 
 __all__ = [
@@ -156,29 +160,111 @@ def check_adapter(
 
 
 class AdapterRegistry:
-    """Reads and writes one model's adapter records on one Redis connection."""
+    """Reads and writes one model's adapter records on one Redis connection.
+
+    `records` is what the keyspace's tenant may read (public records and its own private
+    ones), `all_records` what workers serve and the operator lists; `add` and `remove`
+    keep the full hash and the tenants' views in step (`shared.adapter_views`).
+    """
 
     def __init__(self, redis: Any, keys: KeySpace, model: str) -> None:
         self._redis = redis
-        self._key = keys.model_adapters(model)
+        self._keys = keys
+        self._model = model
+        self._all = keys.model_adapters(model)
+        self._public = keys.public_adapters(model)
+        self._move = redis.register_script(MOVE_LUA)
+        self._rebuild = redis.register_script(REBUILD_LUA)
 
     async def records(self) -> dict[str, AdapterRecord]:
-        """Every well-formed record; a malformed one is skipped (no one may serve it)."""
-        raw = await self._redis.hgetall(self._key)
-        records = {}
-        for field, value in raw.items():
-            name = field.decode() if isinstance(field, bytes) else field
-            try:
-                records[name] = AdapterRecord.from_bytes(name, value)
-            except (MalformedMessage, InvalidName):
-                continue
-        return records
+        """The records the keyspace's tenant may read: the public ones and its own private
+        ones (a tenant's credentials are refused the full hash).
+
+        The public view, the tenant's view and the public view again, in one pipeline; a
+        later read wins. A record moved between the two views meanwhile (one atomic script,
+        between two of these reads) is in at least one of them, so a client never sees an
+        adapter vanish while it is made public or private.
+        """
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._public)
+            pipe.hgetall(self._keys.private_adapters(self._model))
+            pipe.hgetall(self._public)
+            read = await pipe.execute()
+        merged: dict[Any, bytes] = {}
+        for raw in read:
+            merged.update(raw)
+        return _decode(merged)
+
+    async def all_records(self) -> dict[str, AdapterRecord]:
+        """Every well-formed record, public and private (workers and the operator only)."""
+        return _decode(await self._redis.hgetall(self._all))
 
     async def add(self, record: AdapterRecord) -> None:
-        """Publish `record` (replacing one of the same name)."""
-        await self._redis.hset(self._key, record.name, record.to_bytes())
+        """Publish `record` (replacing one of the same name, public or private)."""
+        await self._replace(record.name, record)
 
     async def remove(self, name: str) -> bool:
         """Withdraw an adapter; whether it was there. Workers stop serving it at their next
         refresh."""
-        return bool(await self._redis.hdel(self._key, validate_adapter_name(name)))
+        return await self._replace(validate_adapter_name(name), None)
+
+    async def rebuild_views(self) -> None:
+        """Write the public view and each private view again from the full hash.
+
+        Only the views of tenants that own a record now are written: a view left behind by a
+        record changed by hand stays (it lists nothing its tenant may not see).
+        """
+        for _ in range(_WRITE_TRIES):
+            raw = await self._redis.hgetall(self._all)
+            entries = []
+            for field, value in raw.items():
+                name = field if isinstance(field, bytes) else str(field).encode()
+                entries.append((name, value, self._view_of_raw(name.decode(), value)))
+            keys, args = rebuild_arguments(self._all, self._public, entries)
+            if await self._rebuild(keys=keys, args=args):
+                return
+        raise Busy(f"the adapter records of {self._model!r} kept changing while read")
+
+    async def _replace(self, name: str, record: AdapterRecord | None) -> bool:
+        """Put `record` under `name` (None: remove it); whether a record was there."""
+        for _ in range(_WRITE_TRIES):
+            old = await self._redis.hget(self._all, name)
+            if old is None and record is None:
+                return False
+            new_view = self._view_of(record) if record is not None else None
+            old_view = self._view_of_raw(name, old) if old is not None else None
+            keys = [self._all, old_view or new_view or self._public, new_view or self._public]
+            new = record.to_bytes() if record is not None else b""
+            if await self._move(keys=keys, args=[name, old or b"", new]):
+                return old is not None
+        raise Busy(f"the adapter record {name!r} of {self._model!r} kept changing while written")
+
+    def _view_of(self, record: AdapterRecord) -> str:
+        """The view that lists `record`: the public one, or its tenant's private one."""
+        if record.tenant is None:
+            return self._public
+        return self._keys.for_tenant(record.tenant).private_adapters(self._model)
+
+    def _view_of_raw(self, name: str, raw: bytes) -> str | None:
+        """The view of a record as stored (None: malformed, listed nowhere, served by none)."""
+        try:
+            return self._view_of(AdapterRecord.from_bytes(name, raw))
+        except (MalformedMessage, InvalidName):
+            return None
+
+
+#: Reads and writes of the records before giving up when other writers keep coming between.
+_WRITE_TRIES = 20
+
+
+def _decode(raw: dict[Any, bytes]) -> dict[str, AdapterRecord]:
+    """The well-formed records of a hash as read; a malformed one is skipped (no one may
+    serve it)."""
+    records = {}
+    for field, value in raw.items():
+        name = field.decode() if isinstance(field, bytes) else field
+        try:
+            records[name] = AdapterRecord.from_bytes(name, value)
+        except (MalformedMessage, InvalidName):
+            continue
+    return records

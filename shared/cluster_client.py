@@ -9,7 +9,7 @@ are alive. With a few dozen concurrent commands (a client's sends, its reply rea
 reads and writes) the cascade empties the list, and from then on every command fails with
 ``RedisClusterException: Redis Cluster cannot be connected. Please provide at least one
 reachable node: None``: only a successful re-read refills the list, and none can start
-(reproduced: 3 of 3 runs of 40 tasks; issue 26).
+(reproduced by tests/test_cluster_recovery.py).
 
 `RecoveringCluster` remembers the address of every node it has ever seen (the URL's first)
 and, when the library says it cannot reach any node, puts them all back into the startup list

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Error class name -> class, as the wire names them; filled by `LMQueueError.__init_subclass__`.
+_BY_NAME: dict[str, type[LMQueueError]] = {}
+
 __all__ = [
     "LMQueueError",
     "SettingsError",
@@ -67,7 +70,18 @@ __all__ = [
 
 
 class LMQueueError(Exception):
-    """Raised for any failure of an lmqueue request; the root of the hierarchy."""
+    """Raised for any failure of an lmqueue request; the root of the hierarchy.
+
+    Every subclass registers itself under its class name (`__init_subclass__`): that name is
+    what `to_wire` writes and `from_wire` reads, so a new error is one class, nothing else.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        known = _BY_NAME.get(cls.__name__)
+        if known is not None and known is not cls:
+            raise TypeError(f"an lmqueue error named {cls.__name__} exists: {known!r}")
+        _BY_NAME[cls.__name__] = cls
 
     def __init__(self, message: str, /, **data: Any) -> None:
         super().__init__(message)
@@ -76,6 +90,9 @@ class LMQueueError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self).__name__, self.message, self.data))
+
+
+_BY_NAME["LMQueueError"] = LMQueueError
 
 
 class SettingsError(LMQueueError, ValueError):
@@ -176,37 +193,6 @@ class Cancelled(LMQueueError):
 
 class Unavailable(LMQueueError, ConnectionError):
     """Raised when Redis or the model's workers cannot be reached."""
-
-
-_BY_NAME: dict[str, type[LMQueueError]] = {
-    cls.__name__: cls
-    for cls in (
-        LMQueueError,
-        SettingsError,
-        BadRequest,
-        InvalidName,
-        EmptyPrompt,
-        TokenOutOfVocabulary,
-        PromptTooLong,
-        OversizeRequest,
-        UnknownNode,
-        VocabularyMismatch,
-        UnknownExperiment,
-        UnknownAdapter,
-        AdaptersUnsupported,
-        MalformedMessage,
-        UnknownModel,
-        ModelError,
-        DeadlineExceeded,
-        Busy,
-        Forbidden,
-        AuthenticationFailed,
-        QuotaExceeded,
-        DeadLettered,
-        Cancelled,
-        Unavailable,
-    )
-}
 
 
 def _rebuild(name: str, message: str, data: dict[str, Any]) -> LMQueueError:

@@ -11,7 +11,9 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:model:{<model>}:vocab                     msgpack list of every token's bytes
     lmq:model:{<model>}:workers                   zset: worker name -> last heartbeat (ms)
     lmq:model:{<model>}:adapters                  hash: LoRA adapter name -> msgpack record
-                                                  (shared/adapters.py)
+                                                  (shared/adapters.py), every adapter of the
+                                                  model: workers and the operator read it
+    lmq:model:{<model>}:public-adapters           the public ones' records (tenants read it)
     lmq:model:{<model>}:worker:<worker>           hash: one worker's stats for `lmq status`
                                                   (shared/worker_stats.py; expires)
     lmq:tenants                                   hash: tenant -> JSON config (operator writes)
@@ -22,6 +24,8 @@ registry entry, tokenizer, vocabulary, live workers) carry no tenant.
     lmq:<tenant>:model:{<model>:<p>}:quota        published with N > 1 partitions
     lmq:<tenant>:model:{<model>:<p>}:rate         (shared/partitions.py); p = 0 .. N-1
     lmq:<tenant>:model:{<model>}:dead             dead-letter stream (workers only)
+    lmq:<tenant>:model:{<model>}:adapters         the tenant's private adapters' records
+                                                  (copies: the tenant reads its own alone)
     lmq:<tenant>:client:{<client>}:replies        one reply stream per client (expires)
     lmq:<ns>:cache:<model>:<rev>:<kind>:<digest>  one cached result vector; ns is the tenant
                                                   or a shared ``pool.<name>`` it opted into
@@ -54,6 +58,9 @@ tag), and refuses multi-key commands, transactions and Lua scripts whose keys sp
   publishes info, tokenizer and vocabulary in one Lua script (`shared.registry`), so a client
   never reads a new revision's info beside an old tokenizer. ``lmq:models`` is written after
   it, on its own (a set that names every model cannot share every model's slot).
+- ``{<model>}`` in the three hashes of a model's adapter records (all, public, each tenant's
+  private ones): one Lua script moves a record between them (`shared.adapter_views`), so a
+  record is always in the full hash and in exactly one of the views.
 - ``{<client>}`` in a reply stream: each client's replies are one slot of their own.
 - ``{<tenant>:<id>}`` in an experiment's record and results: a checkpoint writes both in one
   Lua script (`scheduler.context`).
@@ -155,8 +162,13 @@ class KeySpace:
         return f"{self.prefix}:model:{{{model}}}:workers"
 
     def model_adapters(self, model: str) -> str:
-        """The hash of the model's LoRA adapter records (`shared.adapters`)."""
+        """The hash of every LoRA adapter record of the model (`shared.adapters`): what workers
+        serve. No tenant reads it; each reads the public view and its own private one."""
         return f"{self.prefix}:model:{{{model}}}:adapters"
+
+    def public_adapters(self, model: str) -> str:
+        """The hash of the model's public adapters' records, a view every tenant reads."""
+        return f"{self.prefix}:model:{{{model}}}:public-adapters"
 
     def worker_stats(self, model: str, worker: str) -> str:
         """The hash of one worker's recent figures (what it serves, batches/s), for operators."""
@@ -174,6 +186,11 @@ class KeySpace:
     def dead_letters(self, model: str) -> str:
         """The tenant's dead-letter stream of the model."""
         return f"{self.prefix}:{self.tenant}:model:{{{model}}}:dead"
+
+    def private_adapters(self, model: str) -> str:
+        """The hash of the tenant's private adapters' records of the model (a view: copies of
+        their records in `model_adapters`), which only the tenant (and workers) may read."""
+        return f"{self.prefix}:{self.tenant}:model:{{{model}}}:adapters"
 
     def replies(self, client_id: str) -> str:
         """The reply stream of one client of the tenant."""
@@ -269,11 +286,12 @@ class KeyPatterns:
             validate_name("tenant", self.tenant)
 
     def registry(self) -> list[str]:
-        """What clients read to use a model: the model set, info, tokenizer, vocabulary."""
+        """What clients read to use a model: the model set, info, tokenizer, vocabulary, public
+        adapters (never every adapter's record: `private_adapters` has a tenant's own)."""
         model = f"{self.prefix}:model:*"
         return [
             f"{self.prefix}:models", f"{model}:info", f"{model}:tokenizer", f"{model}:vocab",
-            f"{model}:adapters", f"{self.prefix}:experiment-kinds",
+            f"{model}:public-adapters", f"{self.prefix}:experiment-kinds",
         ]  # fmt: skip
 
     def registry_all(self) -> list[str]:
@@ -283,6 +301,16 @@ class KeyPatterns:
     def tenants(self) -> str:
         """The tenants hash."""
         return f"{self.prefix}:tenants"
+
+    def private_adapters(self) -> str:
+        """The tenant's private adapters' records, of every model."""
+        return f"{self.prefix}:{self.tenant}:model:*:adapters"
+
+    def adapter_records(self) -> list[str]:
+        """Every hash of adapter records: each model's full hash and public view, and the
+        private views (of the tenant; of every tenant with ``"*"``)."""
+        model = f"{self.prefix}:model:*"
+        return [f"{model}:adapters", f"{model}:public-adapters", self.private_adapters()]
 
     def requests(self) -> str:
         """Request streams of every model."""

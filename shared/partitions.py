@@ -44,6 +44,7 @@ __all__ = [
     "assign_partitions",
     "owned_partitions",
     "stream_partitions",
+    "block_partition",
 ]
 
 #: Leading tokens hashed to choose a partition: past typical short preambles, well within

@@ -37,6 +37,8 @@ __all__ = [
     "ClientSettings",
     "BACKENDS",
     "DEFAULT_BATCH_SIZE",
+    "DEFAULT_GPU_BATCH_SIZE",
+    "DEFAULT_GPU_MAX_BATCH_TOKENS",
     "DEFAULT_MAX_BATCH_TOKENS",
     "DEFAULT_ANTICIPATE_MS",
     "DEFAULT_MAX_WAIT_MS",
@@ -56,12 +58,26 @@ __all__ = [
 T = TypeVar("T")
 ENV_PREFIX = "LMQ_"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-#: The backends ``lmq worker --backend`` knows.
-BACKENDS = ("hf", "mock", "vllm", "sgl")
+#: The backends ``lmq worker --backend`` knows: name -> "module:class", the one list of them.
+#: A new backend is a module under ``workers/backends`` and a line here; the worker's loader,
+#: its ``--backend`` choices and ``lmqueue.workers.backends``' lazy names read this (strings
+#: only: ``shared`` imports no worker code, and an engine is imported only when it is used).
+BACKENDS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "hf": "lmqueue.workers.backends.hf:AsyncTransformer",
+        "mock": "lmqueue.workers.backends.mock:MockAsyncLM",
+        "vllm": "lmqueue.workers.backends.vllm:AsyncVirtualLM",
+        "sgl": "lmqueue.workers.backends.sgl:AsyncSGLTransformer",
+    }
+)
 #: Entries a worker reads per batch; also the most prompts a batching backend runs at once.
 DEFAULT_BATCH_SIZE = 32
 #: Token budget of one forward pass.
 DEFAULT_MAX_BATCH_TOKENS = 8192
+#: The same two when an hf worker runs on a GPU: a whole SMC step of hundreds of particles is
+#: one forward there (its decode rows cost little more than a few), and so is its prompt.
+DEFAULT_GPU_BATCH_SIZE = 256
+DEFAULT_GPU_MAX_BATCH_TOKENS = 65_536
 #: How long a worker (and a batching backend) waits to fill a batch.
 DEFAULT_MAX_WAIT_MS = 5
 #: A light tenant's round trip (replies written to its next calls read) took 2-6 ms, 1-14 ms
@@ -239,6 +255,9 @@ class WorkerSettings:
     name: str = field(default_factory=_default_worker_name)
     batch_size: int = DEFAULT_BATCH_SIZE
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    #: `batch_size` and `max_batch_tokens` of an hf worker whose model is on a GPU.
+    gpu_batch_size: int = DEFAULT_GPU_BATCH_SIZE
+    gpu_max_batch_tokens: int = DEFAULT_GPU_MAX_BATCH_TOKENS
     max_wait_ms: int = DEFAULT_MAX_WAIT_MS
     #: How long a busy worker holds its next batch for a tenant whose calls the last one
     #: answered (a closed loop's next calls; workers/anticipation.py). 0: never.
@@ -294,8 +313,9 @@ class WorkerSettings:
             validate_name("worker", self.name)
         except InvalidName as exc:
             raise SettingsError(exc.message) from None
-        _require_positive(self, "batch_size", "max_batch_tokens", "max_deliveries", "heartbeat_s",
-                          "partitions", "partition_block_tokens")  # fmt: skip
+        _require_positive(self, "batch_size", "max_batch_tokens", "gpu_batch_size",
+                          "gpu_max_batch_tokens", "max_deliveries", "heartbeat_s", "partitions",
+                          "partition_block_tokens")  # fmt: skip
         _require_non_negative(
             self,
             "max_wait_ms",
@@ -327,21 +347,25 @@ class ClientSettings:
     #: Seconds from submission to a request's deadline; 0 waits forever.
     timeout_s: float = 120.0
     #: Dtype of result vectors on the wire; results are always handed out as float32.
+    #: float16 and bfloat16 halve the bytes (bfloat16: float32's range, ~8x float16's error).
     wire_dtype: str = "float32"
     local_cache_size: int = 256
     use_shared_cache: bool = True
+    #: Reuse the memory of freed vectors (glibc's thresholds, process-wide: shared/heap_reuse.py).
+    heap_reuse: bool = True
     max_inflight: int = 4096
     read_count: int = 256
-    reply_ttl_s: int = 600
     #: How long `connect` waits for a worker to publish the model.
     connect_timeout_s: float = 10.0
     #: Backlog bound for admission control; 0 uses the bound the model's workers publish.
     max_backlog: int = 0
 
     def __post_init__(self) -> None:
-        if self.wire_dtype not in ("float32", "float16"):
-            raise SettingsError(f"wire_dtype={self.wire_dtype!r}: expected float32 or float16")
-        _require_positive(self, "max_inflight", "read_count", "reply_ttl_s")
+        if self.wire_dtype not in ("float32", "float16", "bfloat16"):
+            raise SettingsError(
+                f"wire_dtype={self.wire_dtype!r}: expected float32, float16 or bfloat16"
+            )
+        _require_positive(self, "max_inflight", "read_count")
         _require_non_negative(
             self, "timeout_s", "local_cache_size", "connect_timeout_s", "max_backlog"
         )

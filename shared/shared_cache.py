@@ -22,7 +22,7 @@ from typing import Any
 from .adapters import AdapterRecord
 from .connections import bounded, multi_get
 from .keys import KeySpace
-from .wire import holds_vector
+from .wire import holds_vector, payload_bytes
 
 __all__ = ["SharedCache", "logprobs_kind"]
 
@@ -125,5 +125,13 @@ class SharedCache:
     @staticmethod
     def queue_puts(pipe: Any, items: Sequence[tuple[str, Any]], ttl_s: int) -> None:
         """Queue the SETs of `items` on a pipeline of the cache's instance (one SET each)."""
-        for key, value in items:
-            pipe.set(key, value, ex=ttl_s or None)
+        for command in SharedCache.set_commands(items, ttl_s):
+            pipe.execute_command(*command)
+
+    @staticmethod
+    def set_commands(items: Sequence[tuple[str, Any]], ttl_s: int) -> list[tuple[Any, ...]]:
+        """The SET commands that store `items` with a TTL (none: 0), in order (deferred
+        payloads made into bytes here, on the writer's thread)."""
+        if ttl_s:
+            return [("SET", key, payload_bytes(value), "EX", ttl_s) for key, value in items]
+        return [("SET", key, payload_bytes(value)) for key, value in items]

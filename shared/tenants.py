@@ -192,11 +192,13 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
     Passwords are not part of them (see `password_hash`); apply to a user reset beforehand or
     with ``resetkeys resetchannels -@all clearselectors`` first, which these rules start with.
 
-    A client may: read the model registry; run the admission script (EVALSHA only: scripts
-    are loaded by workers and the operator, so a tenant cannot run Lua of its own) which
-    reads the tenant's ``:quota``, updates its ``:rate`` and XADDs to its request streams;
-    read, trim and delete its reply streams; GET/MGET its cache namespace; submit, watch,
-    cancel and read its own experiments (the scheduler's and arq's keys stay out of reach).
+    A client may: read the model registry (public adapters' records among it) and its own
+    private adapters' records, never another tenant's; run the admission script (EVALSHA
+    only: scripts are loaded by workers and the operator, so a tenant cannot run Lua of its
+    own) which reads the tenant's ``:quota``, updates its ``:rate`` and XADDs to its request
+    streams; read, trim and delete its reply streams; GET/MGET its cache namespace; submit,
+    watch, cancel and read its own experiments (the scheduler's and arq's keys stay out of
+    reach).
     """
     own = KeyPatterns(prefix, config.name)
     cache = own.cache(config.cache_namespace)
@@ -205,6 +207,8 @@ def tenant_acl_rules(config: TenantConfig, prefix: str = "lmq") -> list[str]:
         _selector(
             ["+get", "+smembers", "+exists", "+hgetall"], [f"%R~{k}" for k in own.registry()]
         ),
+        # its own private adapters' records; the model's full hash of records stays out of reach
+        _selector(["+hgetall"], [f"%R~{own.private_adapters()}"]),
         _selector(["+evalsha"], [f"~{own.requests()}", f"~{own.rate()}"]),
         _selector(["+xadd", "+xlen"], [f"~{own.requests()}"]),
         _selector(["+hmget"], [f"%R~{own.quota()}", f"~{own.rate()}"]),
@@ -220,8 +224,10 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     """The rules after ``ACL SETUSER lmq-worker``: serve every tenant of every model.
 
     Workers read and acknowledge all request streams through the consumer group, write
-    replies, dead letters, cached vectors, the registry and their stats hashes, mirror
-    quotas, read the tenants hash, and load the scripts tenants run (SCRIPT LOAD). They
+    replies, dead letters, cached vectors, the registry and their stats hashes, every
+    adapter record and tenant's view of them (a worker publishes its own adapters and
+    rebuilds the views), mirror quotas, read the tenants hash, and load the scripts tenants
+    run (SCRIPT LOAD). They
     cannot read reply streams or rate buckets, nor touch ACLs, configuration or keys outside
     the layout.
     """
@@ -235,12 +241,16 @@ def worker_acl_rules(prefix: str = "lmq") -> list[str]:
     registry_commands = [  # publishing is one script; the stats hash is for `lmq status`
         "+get", "+set", "+exists", "+sadd", "+smembers", "+evalsha", "+eval",
         "+zadd", "+zrem", "+zrange", "+zrangebyscore", "+zremrangebyscore",
-        "+hset", "+hgetall", "+expire", "+del",  # hgetall: the adapter records
+        "+hset", "+hgetall", "+expire", "+del",
+    ]  # fmt: skip
+    adapter_commands = [  # the records and every tenant's view: `shared.adapter_views`
+        "+hget", "+hgetall", "+hlen", "+hset", "+hdel", "+del", "+evalsha",
     ]  # fmt: skip
     return [
         "resetkeys", "resetchannels", "clearselectors", "-@all", *_CONNECTION,
         "+script|load", "+script|exists", "+multi", "+exec", "+discard", "+time",
         _selector(registry_commands, [f"~{k}" for k in every.registry_all()]),
+        _selector(adapter_commands, [f"~{k}" for k in every.adapter_records()]),
         _selector(["+hget", "+hgetall", "+hkeys"], [f"%R~{every.tenants()}"]),
         _selector(stream_commands, [f"~{every.requests()}"]),
         _selector(["+hset", "+hmget", "+hgetall", "+del"], [f"~{every.quota()}"]),

@@ -32,6 +32,7 @@ import numpy as np
 
 from .adapters import ADAPTER_NAME
 from .errors import LMQueueError, MalformedMessage, from_wire, to_wire
+from .serial_torch import serial_here
 
 __all__ = [
     "WIRE_VERSION",
@@ -50,17 +51,23 @@ __all__ = [
     "bytes_to_ids",
     "vector_to_bytes",
     "vector_payload",
+    "DeferredPayload",
+    "deferred_payload",
+    "payload_bytes",
     "bytes_to_vector",
     "check_payload",
     "cast_in_chunks",
+    "holds_vector",
 ]
 
 WIRE_VERSION = 1
 #: What a request asks for: the next-token log-probabilities, or trie masses derived from them.
 KINDS = ("logprobs", "mass")
 MASS_OPS = ("sum", "max")
-#: Dtypes a vector may travel in, by wire name.
-VECTOR_DTYPES = {"float32": "<f4", "float16": "<f2", "float64": "<f8"}
+#: Dtypes a vector may travel in, by wire name. numpy has no bfloat16: its vectors are read as
+#: their raw 16-bit patterns (``<u2``), the upper halves of float32 values; clients widen
+#: them (`producer.tensors.widened`).
+VECTOR_DTYPES = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "bfloat16": "<u2"}
 
 _ITEMSIZES = {name: np.dtype(code).itemsize for name, code in VECTOR_DTYPES.items()}
 _MAX_ENVELOPE_BYTES = 64 * 1024 * 1024
@@ -96,9 +103,11 @@ def vector_payload(vector: Any, dtype: str) -> memoryview:
             vector = vector.detach()
         if not vector.is_cpu:
             vector = vector.to("cpu")
-        if dtype == "float16" and _HALF_BY_TORCH and vector.dtype is _torch_float32():
-            return _half_of_tensor(vector)
+        if dtype in _HALVES and _HALF_BY_TORCH and vector.dtype is _torch_float32():
+            return _half_of_tensor(vector, dtype)
         vector = vector.numpy()
+    if dtype == "bfloat16":
+        return _bfloat16_of(vector)
     if (
         dtype == "float16"
         and _HALF_BY_TORCH
@@ -109,6 +118,52 @@ def vector_payload(vector: Any, dtype: str) -> memoryview:
     ):
         return _half_of_tensor(sys.modules["torch"].from_numpy(vector))
     return np.ascontiguousarray(vector, dtype=VECTOR_DTYPES[dtype]).data.cast("B")
+
+
+class DeferredPayload:
+    """A vector whose wire bytes are made when it is written, not when it is computed.
+
+    A worker's writer thread writes a batch's replies while the event loop goes on with the
+    next batch; converting to a 16-bit dtype (or copying off a GPU) there instead of on the
+    loop takes ~15-25 us a vector off the loop's thread (torch releases the GIL meanwhile).
+    The vector must stay unchanged until then, as a float32 payload's view requires anyway.
+    One thread makes the bytes, once (`payload_bytes`).
+    """
+
+    __slots__ = ("vector", "dtype", "_bytes")
+
+    def __init__(self, vector: Any, dtype: str) -> None:
+        self.vector = vector
+        self.dtype = dtype
+        self._bytes: memoryview | None = None
+
+    def view(self) -> memoryview:
+        """The wire bytes (made on the first call)."""
+        if self._bytes is None:
+            self._bytes, self.vector = vector_payload(self.vector, self.dtype), None
+        return self._bytes
+
+
+def deferred_payload(vector: Any, dtype: str) -> memoryview | DeferredPayload:
+    """`vector_payload`, deferred (`DeferredPayload`) where it converts a CPU vector.
+
+    A float32 payload is a view of `vector` anyway; a vector on a device is copied off it now,
+    since the engine may reuse that memory once its call returned (a CPU result must stay
+    unchanged until written already: float32 ones go out as views of it).
+    """
+    if not getattr(vector, "is_cpu", True):
+        return vector_payload(vector, dtype)
+    if dtype == "float32" and getattr(vector, "dtype", None) in (
+        np.float32,
+        _torch_float32_or_none(),
+    ):
+        return vector_payload(vector, dtype)
+    return DeferredPayload(vector, dtype)
+
+
+def payload_bytes(payload: Any) -> Any:
+    """The bytes of a payload that may be deferred (anything else is returned as it is)."""
+    return payload.view() if isinstance(payload, DeferredPayload) else payload
 
 
 def bytes_to_vector(raw: bytes | memoryview, dtype: str) -> np.ndarray:
@@ -150,14 +205,21 @@ def holds_vector(value: Any, dtype: str, vector_size: int = 0) -> bool:
 _HALF_CHUNK = 32_760
 #: torch tensors are native-endian; the wire is little-endian.
 _HALF_BY_TORCH = sys.byteorder == "little"
+#: The 16-bit wire dtypes torch converts to.
+_HALVES = ("float16", "bfloat16")
 
 
 def cast_in_chunks(destination: Any, source: Any) -> None:
     """Copy torch tensor `source` into `destination`, converting dtype, one serial chunk at a time.
 
-    Both are 1-d tensors of one length. torch converts float32 <-> float16 with F16C in ~10 us
+    Both are 1-d tensors of one length. torch converts float32 <-> float16 with F16C in ~5 us
     per 49,152 values (numpy: 125 us and 69 us here), rounding to nearest even as numpy does.
+    On a thread whose torch ops run serially anyway (`shared.serial_torch`) it is one op:
+    each piece costs a few microseconds of dispatch.
     """
+    if serial_here():
+        destination.copy_(source)
+        return
     for start in range(0, destination.shape[0], _HALF_CHUNK):  # slices: Tensor.split costs more
         end = start + _HALF_CHUNK
         destination[start:end].copy_(source[start:end])
@@ -167,11 +229,31 @@ def _torch_float32() -> Any:
     return sys.modules["torch"].float32
 
 
-def _half_of_tensor(tensor: Any) -> memoryview:
-    """float16 bytes of a 1-d float32 CPU tensor."""
-    out = np.empty(tensor.numel(), dtype="<f2")
-    cast_in_chunks(sys.modules["torch"].from_numpy(out), tensor.reshape(-1))
+def _torch_float32_or_none() -> Any:
+    torch = sys.modules.get("torch")
+    return torch.float32 if torch is not None else None
+
+
+def _half_of_tensor(tensor: Any, dtype: str = "float16") -> memoryview:
+    """float16 or bfloat16 bytes of a 1-d float32 CPU tensor."""
+    torch = sys.modules["torch"]
+    if dtype == "float16":
+        out = np.empty(tensor.numel(), dtype="<f2")
+        cast_in_chunks(torch.from_numpy(out), tensor.reshape(-1))
+    else:  # torch rounds to nearest even, and keeps NaN a NaN
+        out = np.empty(tensor.numel(), dtype="<i2")
+        cast_in_chunks(torch.from_numpy(out).view(torch.bfloat16), tensor.reshape(-1))
     return out.data.cast("B")
+
+
+def _bfloat16_of(vector: Any) -> memoryview:
+    """bfloat16 bytes of a numpy vector (torch converts it; workers always import torch)."""
+    import torch  # imported already wherever vectors are made
+
+    single = np.ascontiguousarray(vector, dtype=np.float32)
+    if not single.flags.writeable:  # torch cannot view read-only memory without a warning
+        single = single.copy()
+    return _half_of_tensor(torch.from_numpy(single.reshape(-1)), "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,9 +390,10 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
 
 
 def encode_result(
-    request_id: str, payload: bytes | memoryview, dtype: str, cached: bool = False
+    request_id: str, payload: bytes | memoryview | DeferredPayload, dtype: str, cached: bool = False
 ) -> dict[str, Any]:
-    """Encode a result reply; `payload` is the vector's raw bytes in `dtype`."""
+    """Encode a result reply; `payload` is the vector's raw bytes in `dtype` (or a
+    `DeferredPayload`, made into them when written)."""
     header = {"v": WIRE_VERSION, "id": request_id, "ok": True, "dtype": dtype, "cached": cached}
     return {"h": _pack(header), "d": payload}
 
@@ -337,6 +420,29 @@ def decode_reply(fields: dict[bytes, bytes]) -> Reply:
         MalformedMessage: on any defect; its data carries ``request_id`` when it could be read.
     """
     header = _unpack_envelope(fields, b"h")
+    # The common replies, checked field by field in one pass (a client reads thousands a
+    # second); anything else takes the long way, which says what is wrong.
+    request_id, dtype, payload = header.get("id"), header.get("dtype"), fields.get(b"d")
+    if (
+        header.get("ok") is True
+        and header.get("v") == WIRE_VERSION
+        and type(request_id) is str
+        and type(dtype) is str
+        and dtype in _ITEMSIZES
+    ):
+        cached = bool(header.get("cached", False))
+        claim = header.get("claim")
+        if claim is None and isinstance(payload, bytes | memoryview):
+            size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
+            if not size % _ITEMSIZES[dtype]:
+                return Reply(request_id, payload, dtype, cached=cached)
+        elif type(claim) is str and payload is None:
+            return Reply(request_id, None, dtype, cached=cached, claim=claim)
+    return _decode_reply_checked(fields, header)
+
+
+def _decode_reply_checked(fields: dict[bytes, bytes], header: dict[str, Any]) -> Reply:
+    """`decode_reply`'s long way: each field checked in turn, the first defect raised."""
     request_id = header.get("id")
     try:
         _check_version(header)

@@ -144,22 +144,26 @@ def test_partition_choice_depends_on_the_adapter():
 
 
 def test_the_prefix_trie_keeps_each_adapters_results_and_kv_apart():
+    import numpy as np
     import torch
 
-    cache = PrefixCache(max_kv_tokens=100, cache_size=10)
-    kv = torch.zeros(2, 2, 1, 3, 4)
-    cache.insert((1, 2, 3), torch.tensor([0.0]), 0, kv)
-    cache.insert((1, 2, 3), torch.tensor([1.0]), 0, kv + 1, adapter="a")
+    from lmqueue.workers.backends.kv_pool import KvPool
+
+    cache = PrefixCache(10, KvPool(100, (2, 1, 4), torch.float32, "cpu"))
+    base, tuned = cache.reserve(3), cache.reserve(3)
+    cache.insert((1, 2, 3), torch.tensor([0.0]), 0, base)
+    cache.insert((1, 2, 3), torch.tensor([1.0]), 0, tuned, adapter="a")
     assert cache.get((1, 2, 3)).item() == 0.0
     assert cache.get((1, 2, 3), "a").item() == 1.0
     assert cache.get((1, 2, 3), "b") is None
-    assert cache.kv_prefix((1, 2, 3, 4), 3, "b") == ([], 0)
-    segments, covered = cache.kv_prefix((1, 2, 3, 4), 3, "a")
-    assert covered == 3 and segments[0].eq(1).all()
+    slots, covered = cache.kv_prefix((1, 2, 3, 4), 3, "b")
+    assert covered == 0 and len(slots) == 0
+    slots, covered = cache.kv_prefix((1, 2, 3, 4), 3, "a")
+    assert covered == 3 and np.array_equal(slots, tuned)
     cache._check_invariants()
     cache.drop_adapter("a")
     assert cache.get((1, 2, 3), "a") is None and cache.kv_tokens == 3
-    assert cache.num_results == 1
+    assert cache.num_results == 1 and cache.pool.free_slots == 97
     cache._check_invariants()
 
 
@@ -234,6 +238,50 @@ async def test_an_adapter_added_to_the_registry_is_served_by_running_workers(
         while "late" in backend.adapter_names and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert "late" not in backend.adapter_names
+
+
+async def test_an_adapter_published_since_the_last_refresh_is_loaded_not_refused(
+    smol_tokenizer, redis_url, aredis, tmp_path, monkeypatch
+):
+    """A worker that reads a request for an adapter a peer published after its last refresh
+    reads the registry again before refusing (found by ``lmq bench soak``: a worker started
+    beside one with ``--adapter`` refused its adapters' requests for seconds)."""
+    from lmqueue.workers import upkeep
+
+    monkeypatch.setattr(upkeep, "TENANT_REFRESH_S", 3600.0)  # no refresh comes to the rescue
+    backend = MockAsyncLM(smol_tokenizer)
+    served = ThreadedWorker(backend, redis_url).start()
+    try:
+        path = fake_adapter(tmp_path / "peer", b"a peer's weights")
+        await _wait_serving(served)  # its last read of the registry is before the record
+        record = AdapterRecord("peer", str(path), adapter_revision(path))
+        await AdapterRegistry(aredis, KEYS, "mock").add(record)
+        assert "peer" not in backend.adapter_names
+        async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=20) as lm:
+            row = await lm.next_token_logprobs(PROMPT, lora_name="peer")
+            expected = backend.logprobs_of(PROMPT, "peer").numpy()
+            np.testing.assert_array_equal(row.numpy(), expected)
+            with pytest.raises(UnknownAdapter):  # a name nobody publishes is still refused
+                await _raw_request(aredis, "nope")
+    finally:
+        served.stop()
+
+
+async def _wait_serving(served: ThreadedWorker, timeout_s: float = 30) -> None:
+    """Until the worker's serve loop has published (again) and started its upkeep."""
+    deadline = time.monotonic() + timeout_s
+    while not served.worker.health.serving:
+        assert time.monotonic() < deadline, "the worker did not start serving"
+        await asyncio.sleep(0.05)
+
+
+async def _raw_request(aredis, adapter: str) -> None:
+    """Send one request naming `adapter` past the client's checks; raise its reply's error."""
+    request = Request("raw-0", "raw", ids_to_bytes(PROMPT), adapter=adapter)
+    await aredis.xadd(KEYS.requests("mock"), encode_request(request))
+    reply = (await _wait_replies(aredis, "raw", 1))["raw-0"]
+    if reply.error is not None:
+        raise reply.error
 
 
 async def test_a_record_whose_files_changed_is_not_served(worker, aredis, tmp_path, backend):

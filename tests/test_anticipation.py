@@ -19,7 +19,12 @@ from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
-from lmqueue.workers.anticipation import COOL_OFF_BATCHES, ReturningTenants
+from lmqueue.workers.anticipation import (
+    COOL_OFF_BATCHES,
+    MAX_COOL_OFF_BATCHES,
+    AwaitedFirst,
+    ReturningTenants,
+)
 from workers_in_threads import ThreadedWorker
 
 
@@ -85,6 +90,116 @@ def test_tenants_whose_replies_will_not_come_are_forgotten() -> None:
     assert hold and wait_s == pytest.approx(0.010)  # only b, replied, is still awaited
 
 
+def test_the_backend_idles_for_a_returning_tenant_at_most_a_share_of_a_forward() -> None:
+    clock = _Clock()
+    returning = ReturningTenants(1.0, clock, idle_share=0.1)  # anticipate_ms far longer
+    returning.sent("light", 4, cost=64.0)
+    clock.now = 10.0
+    hold, wait_s = returning.waiting({"light": 0}.get, idle_since=10.0, forward_s=0.1)
+    assert hold and wait_s == pytest.approx(0.01)  # replies not written: the share bounds it
+    returning.replied("light")
+    clock.now = 10.006
+    hold, wait_s = returning.waiting({"light": 0}.get, idle_since=10.0, forward_s=0.1)
+    assert hold and wait_s == pytest.approx(0.004)
+    clock.now = 10.0101
+    assert returning.waiting({"light": 0}.get, idle_since=10.0, forward_s=0.1) == (False, 0.0)
+    assert returning.credit("light") == 0.0
+
+
+def test_while_the_backend_is_busy_only_anticipate_ms_bounds_a_wait() -> None:
+    clock = _Clock()
+    returning = ReturningTenants(0.020, clock, idle_share=0.1)
+    returning.sent("light", 4, cost=64.0)
+    returning.replied("light")
+    clock.now = 0.015  # past a share of the forward, but the backend is busy meanwhile
+    hold, wait_s = returning.waiting({"light": 0}.get, idle_since=None, forward_s=0.1)
+    assert hold and wait_s == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize(("forward_s", "caught"), [(0.100, True), (0.003, False)])
+def test_one_setting_waits_out_a_round_trip_of_a_long_forward_not_of_a_short_one(
+    forward_s: float, caught: bool
+) -> None:
+    """The same 8 ms round trip fits a tenth of a 100 ms CPU forward, not of a 3 ms GPU one:
+    there the tenant's calls wait one short forward instead of the backend idling for them."""
+    clock = _Clock()
+    returning = ReturningTenants(0.020, clock, idle_share=0.1)
+    backlog = {"light": 0}
+    returning.sent("light", 4, cost=64.0)
+    returning.replied("light")
+    clock.now = 0.008
+    hold, _ = returning.waiting(backlog.get, idle_since=0.0, forward_s=forward_s)
+    assert hold is caught
+    backlog["light"] = 4  # its calls are back
+    assert returning.waiting(backlog.get, idle_since=0.0, forward_s=forward_s) == (False, 0.0)
+
+
+def test_a_wait_that_held_up_no_one_else_is_not_bounded_by_the_idle_nor_a_miss() -> None:
+    clock = _Clock()
+    returning = ReturningTenants(0.020, clock, idle_share=0.1)
+    for _ in range(3):
+        returning.sent("alone", 4, cost=64.0)
+        returning.replied("alone")
+        clock.now += 0.015  # past a tenth of the forward: nothing else was queued
+        hold, _ = returning.waiting({"alone": 1}.get, clock.now - 0.015, 0.1, queued=1)
+        assert hold
+        clock.now += 0.006  # past anticipate_ms: its wait is over, yet it missed nobody
+        assert returning.waiting({"alone": 1}.get, clock.now, 0.1, queued=1) == (False, 0.0)
+    returning.sent("alone", 4, cost=64.0)
+    assert returning.awaits("alone")  # never cooled off
+
+
+def _miss_twice(returning: ReturningTenants, clock: _Clock) -> None:
+    for _ in range(2):
+        returning.sent("slow", 2, cost=32.0)
+        returning.replied("slow")
+        clock.now += 0.011
+        assert returning.waiting({"slow": 0}.get) == (False, 0.0)
+
+
+def _cooled_batches(returning: ReturningTenants) -> int:
+    batches = 0
+    while True:
+        returning.sent("slow", 2, cost=32.0)
+        if returning.awaits("slow"):
+            return batches
+        batches += 1
+
+
+def test_a_tenant_that_keeps_missing_is_tried_ever_more_rarely_until_it_is_caught() -> None:
+    clock = _Clock()
+    returning = ReturningTenants(0.010, clock)
+    cooled = []
+    for _ in range(8):
+        _miss_twice(returning, clock)
+        cooled.append(_cooled_batches(returning))  # then awaited again
+    assert cooled == [16, 32, 64, 128, 256, 512, 1024, 1024]
+    assert cooled[-1] == MAX_COOL_OFF_BATCHES
+    returning.replied("slow")
+    assert returning.waiting({"slow": 2}.get) == (False, 0.0)  # caught: back to the start
+    _miss_twice(returning, clock)
+    assert _cooled_batches(returning) == COOL_OFF_BATCHES
+
+
+def test_a_tenant_left_with_as_many_queued_as_it_sent_is_not_awaited() -> None:
+    returning = ReturningTenants(0.010, _Clock())
+    returning.sent("flood", 16, cost=256.0, queued=16)
+    assert not returning.awaits("flood")
+    returning.sent("light", 16, cost=256.0, queued=3)
+    assert returning.awaits("light")
+
+
+async def test_other_parts_replies_wait_for_every_awaited_part_or_the_safety_bound() -> None:
+    first = AwaitedFirst(2)
+    waiter = asyncio.create_task(first.wait(5.0))
+    first.written()
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # one awaited part still writing
+    first.written()
+    await asyncio.wait_for(waiter, 1.0)
+    await asyncio.wait_for(AwaitedFirst(1).wait(0.01), 1.0)  # never written: the bound ends it
+
+
 @pytest.fixture
 def tenant_urls(redis_url: str) -> Iterator[tuple[TenantAdmin, dict[str, str]]]:
     admin = redis.Redis.from_url(redis_url)
@@ -96,7 +211,7 @@ def tenant_urls(redis_url: str) -> Iterator[tuple[TenantAdmin, dict[str, str]]]:
     admin.close()
 
 
-@pytest.mark.parametrize(("anticipate_ms", "gap"), [(0, 2), (150, 1)])
+@pytest.mark.parametrize(("anticipate_ms", "gap"), [(0, 2), (300, 1)])
 async def test_a_closed_loop_under_a_flood_runs_each_step_in_the_next_forward(
     redis_url: str,
     tenant_urls: tuple[TenantAdmin, dict[str, str]],
@@ -109,6 +224,9 @@ async def test_a_closed_loop_under_a_flood_runs_each_step_in_the_next_forward(
     admin, urls = tenant_urls
     backend = RecordingLM(smol_tokenizer)
     worker = ThreadedWorker(backend, admin.worker_user(), anticipate_ms=anticipate_ms).start()
+    assert worker.worker is not None
+    worker.worker.returning.idle_share = 0.6  # 300 ms of a 500 ms forward: a loaded machine's
+    # round trip fits (the share bounds the idle; `test_one_setting_waits_out...` tests it)
     settings = ClientSettings(
         redis=RedisSettings(url=urls["light"]), use_shared_cache=False, local_cache_size=0
     )

@@ -39,14 +39,22 @@ def test_the_hf_backend_batches_by_the_workers_defaults():
     defaults = inspect.signature(AsyncTransformer.__init__).parameters
     assert defaults["batch_size"].default == worker.batch_size
     assert defaults["max_batch_tokens"].default == worker.max_batch_tokens
-    assert defaults["timeout"].default == worker.max_wait_ms / 1000
+    assert defaults["max_wait_s"].default == worker.max_wait_ms / 1000
+
+
+async def test_the_hf_backend_takes_genlms_timeout_as_its_max_wait(tiny_model_dir: Path) -> None:
+    for options, expected in (({"timeout": 0.25}, 0.25), ({"max_wait_s": 0.5}, 0.5)):
+        async with AsyncTransformer.from_name(str(tiny_model_dir), **options) as lm:
+            assert lm.max_wait_s == expected
 
 
 def test_worker_settings_become_options_only_for_backends_that_honour_them():
     hf = WorkerSettings(model="m", backend="hf", batch_size=7, device="cpu")
     options = backend_options(hf, AsyncTransformer.OPTIONS)
     assert options == {"device": "cpu", "batch_size": 7, "max_batch_tokens": 8192,
-                       "timeout": 0.005}  # fmt: skip
+                       "max_wait_s": 0.005}  # fmt: skip
+    genlm_named = WorkerSettings(model="m", backend="hf", backend_opts={"timeout": 0.1})
+    assert "max_wait_s" not in backend_options(genlm_named, AsyncTransformer.OPTIONS)
     mock = WorkerSettings(model="m", backend="mock", backend_opts={"batch_delay_s": 0.1})
     assert backend_options(mock, backend_class("mock").OPTIONS) == {"batch_delay_s": 0.1}
 
@@ -152,3 +160,21 @@ def test_parallel_forwards_split_the_torch_threads(tiny_model_dir: Path) -> None
     thread.join(120)
     assert seen == {"opts": {"parallel_forwards": 2, "forward_threads": 1}, "forwards": 2,
                     "executor_threads": 2}  # fmt: skip
+
+
+def test_one_list_names_the_backends() -> None:
+    """`BACKENDS` is the only list: the loader, ``--backend`` and the package's names follow it."""
+    import lmqueue.workers.backends as backends
+    from lmqueue.shared.lm.interface import AsyncLM
+    from lmqueue.shared.settings import BACKENDS
+    from lmqueue.workers.main import build_parser
+
+    for name, target in BACKENDS.items():
+        cls = backend_class(name)
+        assert issubclass(cls, AsyncLM) and cls.backend_name == name
+        assert getattr(backends, target.split(":")[1]) is cls
+        assert cls.__name__ in backends.__all__
+    choices = next(a.choices for a in build_parser()._actions if a.dest == "backend")
+    assert list(choices) == list(BACKENDS)
+    with pytest.raises(SettingsError, match="expected one of hf, mock, vllm, sgl"):
+        backend_class("tgi")

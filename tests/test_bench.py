@@ -37,17 +37,35 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
     argv = ["transport", *flags.split(), "--out-dir", str(tmp_path)]
     assert bench_main(argv) == 0
     result = _result(tmp_path, "transport")
-    for config in ("probe", "defaults", "no_cache"):
+    for config in ("probe", "defaults", "inline", "no_cache"):
         window = result["figures"][f"float16.{config}"]
         assert window["replies"] > 0
         assert window["replies_per_s"] > 0
         assert set(window["cpu_us_per_reply"]) == {"client", "worker", "redis"}
-    configs = ("float16.defaults", "float16.no_cache")
+    assert result["figures"]["float16.inline.client_stats"]["claims_resolved"] == 0
+    configs = ("float16.defaults", "float16.inline", "float16.no_cache")
     assert set(result["ratios"]) == {*configs, *(f"{c}.cpu" for c in configs)}
     assert all(ratio > 0 for ratio in result["ratios"].values())
     last = _last_line(capsys.readouterr().out)
     assert last == result["summary"]
     assert last.startswith("transport ratio lmqueue/raw-probe: float16")
+
+
+def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--clients 2 --workers 2 --deployments single --dtypes float16 --concurrency 32"
+    argv = ["transport", *flags.split(), "--warmup-s", "0.3", "--measure-s", "1"]
+    assert bench_main([*argv, "--out-dir", str(tmp_path)]) == 0
+    result = _result(tmp_path, "transport")
+    for workers in (1, 2):
+        window = result["figures"][f"float16.single.{workers}w"]
+        assert len(window["clients"]) == 2 and window["replies_per_s"] > 0
+        assert all(c["replies"] > 0 and c["threads_cpu_s"]["other"] > 0 for c in window["clients"])
+        assert len(window["worker_threads"]) == workers
+        assert all(t["main"] > 0 for t in window["worker_threads"].values())
+        assert result["ratios"][f"float16.single.{workers}w.worker_us"] > 0
+    assert "transport scale" in _last_line(capsys.readouterr().out)
 
 
 @pytest.mark.cluster
@@ -223,3 +241,15 @@ def test_without_resp_pipe_the_clients_take_redis_pys_path() -> None:
     with _without_resp_pipe():
         assert not RespPipe.supports("redis://127.0.0.1:6379")
     assert RespPipe.supports("redis://127.0.0.1:6379")
+
+
+def test_forward_benchmark_counts_the_same_operations_whatever_the_rows_and_segments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--rows 2,6 --segments 1,4 --layers 2 --hidden 32 --repeats 1 --device cpu"
+    assert bench_main(["forward", *flags.split(), "--out-dir", str(tmp_path)]) == 0
+    result = _result(tmp_path, "forward")
+    ops = [result["figures"][f"{r}x{s}"]["ops"] for r in (2, 6) for s in (1, 4)]
+    assert min(ops) > 50  # a forward's operations were counted on its thread
+    assert max(ops) - min(ops) <= 1  # a staging tensor that grows is one allocation more
+    assert _last_line(capsys.readouterr().out).startswith("forward: ops per forward")

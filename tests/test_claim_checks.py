@@ -143,13 +143,34 @@ class _Evicting:
         return await self.inner.execute(*commands)
 
 
-@pytest.mark.parametrize("path", ["pipe", "redis-py"])
+class _EvictingSocket(_Evicting):
+    """The reply thread's cache connection, its keys evicted before each MGET."""
+
+    def execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:  # type: ignore[override]
+        (_, *keys), *_ = commands
+        self.inner.execute([("DEL", *keys)])
+        return list(self.inner.execute(commands))
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("path", ["thread", "pipe", "redis-py"])
 async def test_an_evicted_claim_is_asked_again_inline_and_ends_once(backend, redis_url, path):
     async with serving(backend, redis_url) as worker:
         async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
+            thread = lm.channel.reader.thread
+            assert thread is not None and thread.cache is not None
+            if path == "thread":
+                thread.cache = _EvictingSocket(thread.cache)  # type: ignore[assignment]
+            else:
+                lm.channel.reader.thread = None  # read on the event loop
             if path == "pipe":
                 lm.channel.claims.pipe = _Evicting(lm.channel.claims.pipe)
-            else:
+            elif path == "redis-py":
                 claims = lm.channel.claims
                 claims.pipe, claims.redis = None, _Evicting(claims.redis)
             await _answers(lm, backend)
@@ -258,11 +279,11 @@ async def test_without_resp_pipes_replies_and_claims_go_through_redis_py(backend
     """The path of rediss:// URLs, which `RespPipe` does not speak."""
     async with serving(backend, redis_url):
         async with await QueueLM.connect("mock", redis_url=redis_url) as lm:
-            lm.channel.reader.pipe = lm.channel.claims.pipe = None
+            lm.channel.reader.pipe = lm.channel.claims.pipe = lm.channel.reader.thread = None
             await _answers(lm, backend)
             assert lm.stats["claims_resolved"] == len(PROMPTS)
         async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype="float16") as lm:
-            lm.channel.reader.pipe = lm.channel.claims.pipe = None
+            lm.channel.reader.pipe = lm.channel.claims.pipe = lm.channel.reader.thread = None
             out = await lm.next_token_logprobs([3, 3, 3])
     half = backend.logprobs_of([3, 3, 3]).numpy().astype(np.float16).astype(np.float32)
     assert np.array_equal(out.numpy(), half)
@@ -274,12 +295,11 @@ async def test_a_refused_entry_in_the_replies_pipeline_pauses_claims(
     """On one instance the cache entry and its claim-check go out together; if Redis refuses
     the entry alone (an ACL, say), its client asks again inline and the worker stops claiming."""
 
-    def refused(pipe: Any, items: Any, ttl_s: int) -> None:
-        for key, _ in items:
-            pipe.execute_command("SET", key)  # wrong arity: an error reply for the entry only
+    def refused(items: Any, ttl_s: int) -> list[tuple[Any, ...]]:
+        return [("SET", key) for key, _ in items]  # wrong arity: an error for the entry only
 
     async with serving(backend, redis_url) as worker:
-        monkeypatch.setattr(SharedCache, "queue_puts", staticmethod(refused))
+        monkeypatch.setattr(SharedCache, "set_commands", staticmethod(refused))
         async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
             await _answers(lm, backend)
             missed = lm.stats["claims_missed"]

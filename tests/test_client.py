@@ -18,6 +18,7 @@ from lmqueue.shared.errors import (
     EmptyPrompt,
     PromptTooLong,
     TokenOutOfVocabulary,
+    Unavailable,
     UnknownModel,
 )
 from lmqueue.workers.backends.mock import MockAsyncLM
@@ -157,6 +158,40 @@ async def test_connecting_to_an_unknown_model_fails_with_unknown_model(worker, r
     with pytest.raises(UnknownModel, match="nope") as caught:
         await QueueLM.connect("nope", redis_url=redis_url, connect_timeout_s=0.3)
     assert caught.value.data["known"] == ["mock"]
+
+
+async def test_connect_rides_out_redis_loading_its_data_mid_connect(
+    worker, redis_url, backend, monkeypatch
+):
+    """Found by ``lmq bench soak``: an experiment connecting as the queue Redis restarted from
+    its AOF failed with `Unavailable` (``BusyLoadingError`` reading the adapters), well within
+    its connect timeout; connect now tries again until that timeout."""
+    from redis.exceptions import BusyLoadingError
+
+    from lmqueue.producer.adapter_choice import AdapterChoice
+
+    refresh, calls = AdapterChoice.refresh, []
+
+    async def loading_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise BusyLoadingError("Redis is loading the dataset in memory")
+        return await refresh(self)
+
+    monkeypatch.setattr(AdapterChoice, "refresh", loading_once)
+    async with await QueueLM.connect("mock", redis_url=redis_url, connect_timeout_s=10) as lm:
+        row = await lm.next_token_logprobs([1, 2, 3])
+    assert len(calls) == 2 and torch.equal(row, backend.logprobs_of([1, 2, 3]))
+    calls.clear()
+    with pytest.raises(Unavailable):  # an outage longer than the timeout still ends it
+        monkeypatch.setattr(AdapterChoice, "refresh", _always_loading)
+        await QueueLM.connect("mock", redis_url=redis_url, connect_timeout_s=0.5)
+
+
+async def _always_loading(self):
+    from redis.exceptions import BusyLoadingError
+
+    raise BusyLoadingError("Redis is loading the dataset in memory")
 
 
 async def test_a_request_without_a_worker_fails_at_its_deadline(backend, redis_url):

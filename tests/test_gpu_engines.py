@@ -11,6 +11,7 @@ nats, bfloat16 rounding by far less than the bound.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def _engine_ready(spec: EngineSpec) -> bool:
 
 
 needs_vllm = pytest.mark.skipif(
-    not _engine_ready(VLLM), reason="needs CUDA and vllm 0.32 (on CPU: make test-engines)"
+    not _engine_ready(VLLM), reason="needs CUDA and vllm 0.32/0.33 (on CPU: make test-engines)"
 )
 needs_sglang = pytest.mark.skipif(not _engine_ready(SGLANG), reason="needs CUDA and sglang 0.5.23")
 pytestmark = [
@@ -106,6 +107,11 @@ class TestVLLM:
     def test_limits_come_from_the_engine(self, lm: Any) -> None:
         assert lm.vector_size == VOCAB and lm.max_prompt_tokens == 255
         assert lm.revision.startswith("dir-") and "vllm-bfloat16" in lm.revision
+
+    def test_cuda_runs_model_runner_v2_unless_told_otherwise(self, lm: Any) -> None:
+        told_v1 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+        assert lm._handle.runner == ("v1" if told_v1 else "v2")
+        assert lm._handle.sink.processors == 1
 
     async def test_concurrent_rows_match_transformers(
         self, lm: Any, prompts: list[list[int]], reference: dict

@@ -1,13 +1,16 @@
-"""float16 on the wire: torch's fast conversions give numpy's results, bit for bit."""
+"""16-bit wire dtypes: torch's fast conversions give numpy's (float16) or torch's own
+(bfloat16) results, bit for bit, and callers always get float32."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 import torch
 
-from lmqueue.producer.tensors import to_float32_tensor
-from lmqueue.shared.wire import bytes_to_vector, vector_payload, vector_to_bytes
+from lmqueue.producer.tensors import to_float32_tensor, widened
+from lmqueue.shared.wire import Reply, bytes_to_vector, vector_payload, vector_to_bytes
 
 
 def _awkward_float32s() -> np.ndarray:
@@ -80,3 +83,57 @@ def test_a_read_only_float32_array_still_encodes_to_float16():
     vector = np.frombuffer(np.linspace(-5, 0, 1000, dtype=np.float32).tobytes(), dtype="<f4")
     assert not vector.flags.writeable
     assert bytes(vector_payload(vector, "float16")) == vector.astype("<f2").tobytes()
+
+
+def test_bfloat16_keeps_torchs_rounding_and_widens_back_exactly():
+    values = torch.from_numpy(_awkward_float32s())
+    payload = vector_payload(values, "bfloat16")
+    expected = values.to(torch.bfloat16)
+    assert bytes(payload) == expected.view(torch.int16).numpy().tobytes()
+    assert bytes(vector_payload(values.numpy(), "bfloat16")) == bytes(payload)  # numpy input
+    wide = widened(Reply("c:1", payload, "bfloat16"))
+    assert wide.dtype == "float32"
+    got = np.frombuffer(wide.payload, dtype=np.float32)
+    want = expected.float().numpy()
+    same = np.isnan(want) == np.isnan(got)
+    assert same.all() and np.array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+    assert got.flags.writeable  # a vector of its own, for the caller to take over
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+async def test_16_bit_replies_reach_callers_as_float32_through_every_read_path(
+    smol_tokenizer, redis_url, dtype
+):
+    from lmqueue.producer import QueueLM
+    from lmqueue.shared.connections import async_redis
+    from lmqueue.shared.settings import RedisSettings, WorkerSettings
+    from lmqueue.workers.backends.mock import MockAsyncLM
+    from lmqueue.workers.worker import Worker
+
+    backend = MockAsyncLM(smol_tokenizer)
+    settings = WorkerSettings(
+        model="mock", backend="mock", name="half-worker", redis=RedisSettings(url=redis_url)
+    )
+    redis = async_redis(redis_url)
+    worker = Worker(settings, backend, redis)
+    await worker.publish()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.serve(stop))
+    prompts = [[4, 4, n] for n in range(6)]
+    try:
+        async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype=dtype) as lm:
+            threaded = await lm.batch_next_token_logprobs(prompts[:3])
+            resolved = lm.stats["claims_resolved"]
+        async with await QueueLM.connect("mock", redis_url=redis_url, wire_dtype=dtype) as lm:
+            lm.channel.reader.thread = None  # on the event loop, as on a cluster or over TLS
+            looped = await lm.batch_next_token_logprobs(prompts[3:])
+            resolved += lm.stats["claims_resolved"]
+    finally:
+        stop.set()
+        await serving
+        await redis.aclose()
+    rows = torch.stack([backend.logprobs_of(p) for p in prompts])
+    want = rows.to(torch.bfloat16 if dtype == "bfloat16" else torch.float16).float()
+    got = torch.cat([threaded, looped])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert resolved == len(prompts)

@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hf_backends import backend_factory
 
 from lmqueue.shared.errors import (
     BadRequest,
@@ -23,7 +25,8 @@ from lmqueue.shared.errors import (
 )
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.workers.backends import AsyncTransformer
-from lmqueue.workers.backends.padded_batch import Row, _attention_mask, _inputs, kv_argument
+from lmqueue.workers.backends.batch_inputs import BatchInputs, Row, attention_mask
+from lmqueue.workers.backends.padded_batch import kv_argument
 
 TOLERANCE = 1e-4
 
@@ -48,16 +51,8 @@ async def make_lm(
     tiny_model: Any, smol_tokenizer: Any, vocab: dict[str, Any]
 ) -> AsyncIterator[Callable[..., AsyncTransformer]]:
     """Build backends over the tiny model; all are closed after the test."""
-    built: list[AsyncTransformer] = []
-
-    def make(**kwargs: Any) -> AsyncTransformer:
-        lm = AsyncTransformer(tiny_model, smol_tokenizer, **vocab, **kwargs)
-        built.append(lm)
-        return lm
-
-    yield make
-    for lm in built:
-        await lm.aclose()
+    async with backend_factory(tiny_model, smol_tokenizer, vocab) as make:
+        yield make
 
 
 @pytest.fixture
@@ -181,9 +176,9 @@ async def test_memory_stays_bounded_over_a_long_random_workload(make_lm: Callabl
 def test_padding_queries_see_themselves_and_real_tokens_see_exactly_their_causal_past(
     tiny_model: Any,
 ) -> None:
-    rows = [Row([], 0, (5, 6)), Row([], 3, (7,)), Row([], 1, (8, 9, 10))]
-    _, _, real = _inputs(rows, width_past=3, width_new=3)
-    mask = _attention_mask(tiny_model, real, width_past=3, width_new=3)
+    rows = [Row(np.arange(0), (5, 6)), Row(np.arange(2, 5), (7,)), Row(np.arange(2, 3), (8, 9, 10))]
+    real = BatchInputs.of(rows, width_past=3, width_new=3, device="cpu").real
+    mask = attention_mask(tiny_model, real, width_past=3, width_new=3)
     visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
     assert visible.any(dim=-1).all()  # no query row is fully masked
     # row 0: past none; new tokens in slots 4, 5 (slot 3 is padding and sees only itself)

@@ -20,7 +20,7 @@ from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, encode_request
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
-from lmqueue.workers.late_binding import PICK_LEAD, BackendSlot, BatchForward
+from lmqueue.workers.late_binding import PICK_LEAD, BackendOccupancy, BatchForward
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"
@@ -35,11 +35,12 @@ class RecordingLM(MockAsyncLM):
         self.forward_of: dict[tuple[int, ...], int] = {}
         self.calls = 0
 
-    async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None):
+    async def logprobs_batch(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> Any:
         self.calls += 1
-        result = await super().next_token_logprobs(token_ids, lora_name)
-        self.forward_of[tuple(token_ids)] = len(self.batch_sizes)
-        return result
+        results = await super().logprobs_batch(prompts)
+        for _, token_ids in prompts:
+            self.forward_of[tuple(token_ids)] = len(self.batch_sizes)
+        return results
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ async def test_a_request_arriving_during_a_forward_joins_the_next_forward(
 
 
 def test_the_backend_slot_is_free_only_when_every_holder_released() -> None:
-    slot = BackendSlot()
+    slot = BackendOccupancy()
     first, second = slot.hold(), slot.hold()
     first()
     first()  # a second release of one hold changes nothing
@@ -98,9 +99,22 @@ def test_the_backend_slot_is_free_only_when_every_holder_released() -> None:
     assert not slot.busy
 
 
+def test_the_backend_is_idle_since_its_last_batch_was_released() -> None:
+    now = [1.0]
+    slot = BackendOccupancy(clock=lambda: now[0])
+    assert slot.idle_since == 1.0
+    first, second = slot.hold(), slot.hold()
+    now[0] = 2.0
+    first()
+    assert slot.idle_since is None  # one batch still held
+    now[0] = 3.0
+    second()
+    assert slot.idle_since == 3.0
+
+
 def test_the_next_batch_is_picked_a_fifth_of_a_forward_before_the_backend_is_done() -> None:
     now = [0.0]
-    slot = BackendSlot(clock=lambda: now[0])
+    slot = BackendOccupancy(clock=lambda: now[0])
     assert slot.pick_in_s() == 0.0
     first = slot.hold()
     assert slot.pick_in_s() == 0.0  # no estimate yet: one batch ahead, as a prefetch
@@ -130,3 +144,19 @@ async def test_the_parts_of_a_batch_call_the_backend_together() -> None:
     parts[0].computed()
     parts[0].computed()
     assert done == ["computed"]
+
+
+async def test_a_batch_reports_the_backends_time_from_its_call_and_none_for_cache_hits() -> None:
+    took: list[float] = []
+    now = [10.0]
+    forward = BatchForward(2, timed=took.append, clock=lambda: now[0])
+    parts = [forward.part(), forward.part()]
+    parts[0].computed()  # a part of cache hits: no call
+    now[0] = 11.0
+    await parts[1].ready()  # the last part arrives: the backend is called now
+    now[0] = 11.25
+    parts[1].computed()
+    assert took == [0.25]
+    hits = BatchForward(1, timed=took.append)
+    hits.part().computed()
+    assert len(took) == 1  # nothing computed: nothing to time

@@ -139,12 +139,12 @@ def test_a_batch_split_for_memory_gives_each_half_its_own_rows_adapters(
 
     monkeypatch.setattr(model, "forward", small_batches_only)
     names = ["wide", None, "small", "wide"]
-    rows = [Row([], 0, tuple(PROMPTS[i]), name) for i, name in enumerate(names)]
+    rows = [Row.fresh(tuple(PROMPTS[i]), name) for i, name in enumerate(names)]
     stats = ForwardStats()
     with torch.no_grad():
-        outputs = run_rows(model, rows, False, {}, stats, lora)
+        outputs = run_rows(model, rows, None, {}, stats, lora)
     assert stats.oom_splits == 1 and stats.forwards == 2
-    _assert_like_peft(torch.stack([o[0] for o in outputs]), names, reference)
+    _assert_like_peft(torch.stack(outputs), names, reference)
 
 
 def test_unloading_the_last_adapter_restores_the_models_own_linear_layers(

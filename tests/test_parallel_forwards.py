@@ -12,15 +12,19 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from hf_backends import backend_factory
 from lora_adapters import make_adapter, peft_reference, reference_logprobs
 
 from lmqueue.shared.lm.vocab import decode_vocab
-from lmqueue.workers.backends import AsyncTransformer, padded_batch
-from lmqueue.workers.backends.forward_gate import ForwardGate
-from lmqueue.workers.backends.padded_batch import Row, _past_cache
-from lmqueue.workers.late_binding import PICK_LEAD, BackendSlot
+from lmqueue.workers.backends import AsyncTransformer
+from lmqueue.workers.backends.batch_inputs import BatchInputs, Row
+from lmqueue.workers.backends.kv_pool import KvPool
+from lmqueue.workers.backends.model_change_lock import ModelChangeLock
+from lmqueue.workers.backends.pool_cache import past_cache
+from lmqueue.workers.late_binding import PICK_LEAD, BackendOccupancy
 
 TOLERANCE = 1e-4
 #: How long each patched forward sleeps: long enough that overlapping forwards are plain.
@@ -62,16 +66,9 @@ def spans(model: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, floa
 async def make_lm(
     model: Any, smol_tokenizer: Any, vocab: dict[str, Any]
 ) -> AsyncIterator[Callable[..., AsyncTransformer]]:
-    built: list[AsyncTransformer] = []
-
-    def make(**kwargs: Any) -> AsyncTransformer:
-        lm = AsyncTransformer(model, smol_tokenizer, **vocab, timeout=0.0, **kwargs)
-        built.append(lm)
-        return lm
-
-    yield make
-    for lm in built:
-        await lm.aclose()
+    """Build backends over the model; all are closed after the test."""
+    async with backend_factory(model, smol_tokenizer, vocab, timeout=0.0) as make:
+        yield make
 
 
 def _overlapping(spans: list[tuple[float, float, str]]) -> int:
@@ -157,7 +154,7 @@ def test_parallel_forwards_must_be_positive(model: Any, smol_tokenizer: Any, voc
 
 # -- the gate --------------------------------------------------------------------------------------
 def test_a_change_waits_for_running_forwards_and_holds_new_ones_back() -> None:
-    gate = ForwardGate()
+    gate = ModelChangeLock()
     events: list[str] = []
     forward_running, change_waiting = threading.Event(), threading.Event()
 
@@ -191,7 +188,7 @@ def test_a_change_waits_for_running_forwards_and_holds_new_ones_back() -> None:
 
 
 def test_forwards_pass_the_gate_together() -> None:
-    gate = ForwardGate()
+    gate = ModelChangeLock()
     inside = threading.Barrier(2, timeout=5)  # each waits inside for the other
 
     def forward() -> None:
@@ -209,7 +206,7 @@ def test_forwards_pass_the_gate_together() -> None:
 # -- the worker's slot -----------------------------------------------------------------------------
 def test_a_slot_for_two_forwards_picks_at_once_until_both_are_held() -> None:
     now = [0.0]
-    slot = BackendSlot(clock=lambda: now[0], forwards=2)
+    slot = BackendOccupancy(clock=lambda: now[0], forwards=2)
     first = slot.hold()
     assert slot.pick_in_s() == 0.0  # the second forward is free
     now[0] = 0.5
@@ -229,7 +226,7 @@ def test_a_slot_for_two_forwards_picks_at_once_until_both_are_held() -> None:
 
 def test_a_batch_released_before_it_had_a_place_took_no_forward_time() -> None:
     now = [0.0]
-    slot = BackendSlot(clock=lambda: now[0])
+    slot = BackendOccupancy(clock=lambda: now[0])
     running, waiting = slot.hold(), slot.hold()
     now[0] = 0.2
     waiting()  # all cache hits: done without the backend
@@ -241,50 +238,46 @@ def test_a_batch_released_before_it_had_a_place_took_no_forward_time() -> None:
 
 def test_a_slot_needs_a_forward() -> None:
     with pytest.raises(ValueError):
-        BackendSlot(forwards=0)
+        BackendOccupancy(forwards=0)
 
 
 # -- the staging tensor ----------------------------------------------------------------------------
-def _segments(rows: int, shared: int, own: list[int], seed: int = 0) -> list[Row]:
-    """Rows whose pasts start with one shared segment and go on with segments of their own."""
-    generator = torch.Generator().manual_seed(seed)
+LAYOUT = (3, 2, 4)  # layers, kv heads, head dim
 
-    def segment(n: int) -> torch.Tensor:
-        return torch.randn(3, 2, 2, n, 4, generator=generator)
 
-    stem = segment(shared)
+def _pool_rows(rows: int, shared: int, own: list[int], seed: int = 0) -> tuple[KvPool, list[Row]]:
+    """A pool of random KV, and rows whose pasts start with slots they share and go on with
+    slots of their own (as trie paths do)."""
+    pool = KvPool(256, LAYOUT, torch.float32, "cpu")
+    pool.kv[2:] = torch.randn(pool.kv[2:].shape, generator=torch.Generator().manual_seed(seed))
+    stem = pool.allocate(shared)
     out = []
     for b in range(rows):
-        past = [stem, *(segment(n) for n in own[: b % (len(own) + 1)])]
-        out.append(Row(past, sum(s.shape[3] for s in past), (1,)))
-    return out
+        tail = [pool.allocate(n) for n in own[: b % (len(own) + 1)]]
+        out.append(Row(np.concatenate([stem, *tail]), (1,)))
+    return pool, out
 
 
-def test_the_past_cache_holds_each_rows_segments_then_zeros() -> None:
-    rows = _segments(5, shared=4, own=[1, 2, 1])
-    width = max(row.past_len for row in rows)
-    cache = _past_cache(rows, width, 2)
+def _staged(pool: KvPool, rows: list[Row]) -> Any:
+    width = max(r.past_len for r in rows)
+    return past_cache(pool, BatchInputs.of(rows, width, 2, "cpu"), len(rows))
+
+
+def test_the_past_cache_holds_each_rows_gathered_slots_then_zeros() -> None:
+    pool, rows = _pool_rows(5, shared=4, own=[1, 2, 1])
+    cache = _staged(pool, rows)
     for layer_index, layer in enumerate(cache.layers):
         for b, row in enumerate(rows):
-            whole = torch.cat(row.past, dim=3)[layer_index]  # (2, heads, past_len, dim)
-            assert torch.equal(layer.keys[b, :, : row.past_len], whole[0])
-            assert torch.equal(layer.values[b, :, : row.past_len], whole[1])
+            whole = pool.kv[torch.from_numpy(row.past), layer_index]  # (past_len, 2, heads, dim)
+            assert torch.equal(layer.keys[b, :, : row.past_len], whole[:, 0].transpose(0, 1))
+            assert torch.equal(layer.values[b, :, : row.past_len], whole[:, 1].transpose(0, 1))
             assert not layer.keys[b, :, row.past_len :].any()
             assert not layer.values[b, :, row.past_len :].any()
 
 
-def test_adjacent_rows_sharing_a_segment_are_copied_once() -> None:
-    rows = _segments(4, shared=5, own=[1])  # rows 1 and 3 have one own segment
-    runs = padded_batch._shared_runs(rows)
-    assert [(first, last, start) for _, first, last, start in runs] == [
-        (0, 3, 0), (1, 1, 5), (3, 3, 5),
-    ]  # fmt: skip
-
-
 def test_a_forward_thread_reuses_its_staging_tensor_until_it_is_too_small() -> None:
-    def staged(rows: list[Row]) -> int:
-        cache = _past_cache(rows, max(r.past_len for r in rows), 1)
-        return int(cache.layers[0].block.untyped_storage().data_ptr())
+    def staged(made: tuple[KvPool, list[Row]]) -> int:
+        return int(_staged(*made).staging.untyped_storage().data_ptr())
 
     def on_a_new_thread(work: Callable[[], list[int]]) -> list[int]:
         result: list[list[int]] = []
@@ -293,8 +286,8 @@ def test_a_forward_thread_reuses_its_staging_tensor_until_it_is_too_small() -> N
         thread.join(30)
         return result[0]
 
-    small, smaller = _segments(4, 6, [1]), _segments(2, 6, [1])
-    large = _segments(8, 30, [2, 2])
+    small, smaller = _pool_rows(4, 6, [1]), _pool_rows(2, 6, [1])
+    large = _pool_rows(8, 30, [2, 2])
     first, again, fewer, grown = on_a_new_thread(
         lambda: [staged(small), staged(small), staged(smaller), staged(large)]
     )
@@ -303,14 +296,13 @@ def test_a_forward_thread_reuses_its_staging_tensor_until_it_is_too_small() -> N
 
 
 def test_each_forward_thread_has_a_staging_tensor_of_its_own() -> None:
-    rows = _segments(4, 6, [1])
-    width = max(r.past_len for r in rows)
+    pool, rows = _pool_rows(4, 6, [1])
     pointers: list[int] = []
     both_hold = threading.Barrier(2, timeout=10)
 
     def forward_thread() -> None:
-        cache = _past_cache(rows, width, 1)
-        pointers.append(int(cache.layers[0].block.untyped_storage().data_ptr()))
+        cache = _staged(pool, rows)
+        pointers.append(int(cache.staging.untyped_storage().data_ptr()))
         both_hold.wait()  # both threads alive, each holding its tensor
 
     threads = [threading.Thread(target=forward_thread) for _ in range(2)]

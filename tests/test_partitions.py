@@ -119,9 +119,9 @@ class RecordingMock(MockAsyncLM):
         super().__init__(tokenizer)
         self.seen: list[tuple[int, ...]] = []
 
-    async def next_token_logprobs(self, token_ids: Any) -> torch.Tensor:
-        self.seen.append(tuple(int(t) for t in token_ids))
-        return await super().next_token_logprobs(token_ids)
+    async def logprobs_batch(self, prompts: Any) -> list[Any]:
+        self.seen.extend(tuple(int(t) for t in token_ids) for _, token_ids in prompts)
+        return await super().logprobs_batch(prompts)
 
 
 def _lineages(count: int, length: int = 40) -> list[list[int]]:

@@ -18,7 +18,7 @@ from lmqueue.shared.errors import (
     PromptTooLong,
     TokenOutOfVocabulary,
 )
-from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes, payload_bytes
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.processor import BatchProcessor
 from lmqueue.workers.request_stream import Entry
@@ -37,12 +37,12 @@ def _entry(n: int, tokens: list[int], **fields) -> Entry:
 
 
 def _replies(outcome):
-    return {
-        decode_reply({k.encode(): v for k, v in fields.items()}).request_id: decode_reply(
-            {k.encode(): v for k, v in fields.items()}
-        )
+    """Replies as written (deferred payloads made into bytes, as the writer does)."""
+    decoded = [
+        decode_reply({k.encode(): payload_bytes(v) for k, v in fields.items()})
         for _, fields in outcome.replies
-    }
+    ]
+    return {reply.request_id: reply for reply in decoded}
 
 
 async def test_each_request_gets_one_reply_and_every_entry_is_acked(backend):

@@ -125,6 +125,13 @@ REFUSED = {
     "xdel from its own requests": ("XDEL", A.requests(MODEL), "0-1"),
     "xtrim of its own requests": ("XTRIM", A.requests(MODEL), "MAXLEN", "0"),
     "del of its own requests": ("DEL", A.requests(MODEL)),
+    # adapter records: every adapter's (workers' and operator's), another tenant's private ones
+    "hgetall of every adapter's records": ("HGETALL", A.model_adapters(MODEL)),
+    "hget of every adapter's records": ("HGET", A.model_adapters(MODEL), "x"),
+    "hgetall of another tenant's private adapters": ("HGETALL", B.private_adapters(MODEL)),
+    "hset of the public adapters": ("HSET", A.public_adapters(MODEL), "x", b"r"),
+    "hset of its own private adapters": ("HSET", A.private_adapters(MODEL), "x", b"r"),
+    "hkeys of another tenant's private adapters": ("HKEYS", B.private_adapters(MODEL)),
     # workers' keys, the registry, quotas, tenants
     "zadd to the live workers": ("ZADD", A.model_workers(MODEL), 1, "w"),
     "zrange of the live workers": ("ZRANGE", A.model_workers(MODEL), 0, -1),
@@ -193,6 +200,8 @@ def test_a_tenant_may_do_what_its_clients_need(tenants: Tenants, alice: Any) -> 
     admin.set(CACHE_A, b"vector")
     admin.xadd(A.replies("c1"), {"r": b"1"})
     admin.xadd(A.replies("c1"), {"r": b"2"})
+    admin.hset(A.public_adapters(MODEL), "pub", b"public record")
+    admin.hset(A.private_adapters(MODEL), "mine", b"alice's record")
 
     assert alice.ping()
     assert alice.info("server")["run_id"]
@@ -201,6 +210,8 @@ def test_a_tenant_may_do_what_its_clients_need(tenants: Tenants, alice: Any) -> 
     assert alice.get(A.model_tokenizer(MODEL)) == b"tok"
     assert alice.get(A.model_vocab(MODEL)) == b"vocab"
     assert alice.exists(A.model_info(MODEL)) == 1
+    assert alice.hgetall(A.public_adapters(MODEL)) == {b"pub": b"public record"}
+    assert alice.hgetall(A.private_adapters(MODEL)) == {b"mine": b"alice's record"}
     assert alice.mget([CACHE_A, CACHE_A + "0"]) == [b"vector", None]
     (stream, entries), *_ = alice.xread({A.replies("c1"): "0"})
     assert [fields for _, fields in entries] == [{b"r": b"1"}, {b"r": b"2"}]

@@ -93,6 +93,7 @@ async def test_over_tls_with_passwords_the_client_falls_back_to_redis_py_and_wor
 ) -> None:
     lm, backend = tls_lm
     assert lm.channel.reader.pipe is None and lm.channel.claims.pipe is None  # redis-py path
+    assert lm.channel.reader.thread is None  # no reply thread: its sockets speak no TLS
     assert is_cluster(lm.channel.redis) == (request.node.callspec.params["tls_lm"] == "cluster")
     prompts = [[1, 2, 3], [9, 8]]
     rows = await lm.batch_next_token_logprobs(prompts)

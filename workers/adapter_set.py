@@ -1,9 +1,14 @@
 """`AdapterSet`: the LoRA adapters one worker serves, kept in step with the model's registry.
 
 A worker loads the adapters of its command line (``--adapter NAME=PATH``) before it serves,
-and publishes them (public). Every few seconds (the tenant refresh) it reads the model's
-adapter records again and loads what was added (``lmq adapter add``), unloads what was
-removed, and reloads an adapter whose revision changed. An adapter is served only once its
+and publishes them (public), then writes the tenants' views of the records again from the
+model's full hash (`AdapterRegistry.rebuild_views`: records written before the views existed
+get theirs). Every few seconds (the tenant refresh) it reads the full hash, which holds
+every adapter, public and private, and loads what was added (``lmq adapter add``), unloads
+what was removed, and reloads an adapter whose files changed. An adapter made public or
+private stays served throughout: its record (who may use it, where its rows are cached) is
+swapped in place, and one that was private is loaded again in place, which forgets what was
+computed for its former owner (`_change_owner`). An adapter is served only once its
 directory, read by this worker, has the revision its record names: a worker never serves rows
 under a cache key whose weights it does not hold.
 
@@ -56,6 +61,8 @@ class AdapterSet:
         #: Revisions that failed to load, by name: not tried again until the record changes.
         self._failed: dict[str, str] = {}
         self._unsupported_logged = False
+        #: one refresh at a time: the upkeep loop's and a batch's (see `refresh`) may meet
+        self._refreshing = asyncio.Lock()
 
     async def publish_own(self) -> None:
         """Load the command line's adapters (once; a failure stops the worker), and publish
@@ -74,10 +81,21 @@ class AdapterSet:
                 self.served[name] = record
                 logger.info("serving adapter %s (revision %s) from %s", name, revision, path)
             await self.registry.add(record)
+        await self.registry.rebuild_views()
 
     async def refresh(self) -> None:
-        """Load added adapters, unload removed or changed ones (the registry's records)."""
-        records = await self.registry.records()
+        """Load added adapters, unload removed or changed ones (the registry's records).
+
+        Also called for a batch naming an adapter not loaded here before it is refused: a
+        peer's ``--adapter`` or ``lmq adapter add`` may have published it since the last
+        refresh, and the client, which read the registry, asked for it rightly (one HGETALL
+        of the records when nothing changed).
+        """
+        async with self._refreshing:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        records = await self.registry.all_records()
         if not self.backend.supports_adapters:
             if records and not self._unsupported_logged:
                 logger.warning("the %s backend serves no adapters; requests naming %s fail",
@@ -85,13 +103,31 @@ class AdapterSet:
                 self._unsupported_logged = True
             return
         for name, record in list(self.served.items()):
-            if records.get(name) != record:
-                del self.served[name]  # first: no request is admitted for it meanwhile
-                await self.backend.unload_adapter(name)
-                logger.info("stopped serving adapter %s", name)
+            new = records.get(name)
+            if new == record:
+                continue
+            if new is not None and _same_weights(new, record):
+                await self._change_owner(record, new)
+                continue
+            del self.served[name]  # first: no request is admitted for it meanwhile
+            await self.backend.unload_adapter(name)
+            logger.info("stopped serving adapter %s", name)
         for name, record in records.items():
             if name not in self.served and self._failed.get(name) != record.revision:
                 await self._load(record)
+
+    async def _change_owner(self, old: AdapterRecord, new: AdapterRecord) -> None:
+        """An adapter made public or private (or given to another tenant): its name stays
+        served all along, checked against the new record from now on.
+
+        Rows computed for its former owner must not answer anyone else faster (a timing
+        oracle on the owner's prompts): unless it was public, the backend loads it again
+        in place, which forgets every result and KV computed with it.
+        """
+        self.served[new.name] = new
+        logger.info("adapter %s is now %s", new.name, _owner(new))
+        if old.tenant is not None:
+            await self._load(new)
 
     async def _load(self, record: AdapterRecord) -> None:
         try:
@@ -104,12 +140,23 @@ class AdapterSet:
         except Exception as exc:  # a bad record must not stop the worker: log, skip, go on
             self._failed[record.name] = record.revision
             logger.warning("cannot load adapter %s from %s: %s", record.name, record.path, exc)
+            if self.served.pop(record.name, None) is not None:  # it was loaded in place
+                await self.backend.unload_adapter(record.name)
             return
         self._failed.pop(record.name, None)
         self.served[record.name] = record
-        owner = f"private to {record.tenant}" if record.tenant else "public"
-        logger.info("serving adapter %s (%s, revision %s)", record.name, owner, record.revision)
+        logger.info("serving adapter %s (%s, revision %s)", record.name, _owner(record),
+                    record.revision)  # fmt: skip
 
     def check(self, name: str | None, tenant: str) -> AdapterRecord | None:
         """The record of the adapter `tenant` names (None: the base model), or a typed error."""
         return check_adapter(self.served, name, tenant)
+
+
+def _owner(record: AdapterRecord) -> str:
+    return f"private to {record.tenant}" if record.tenant else "public"
+
+
+def _same_weights(new: AdapterRecord, old: AdapterRecord) -> bool:
+    """Whether `new` names the files `old` was loaded from (its owner may differ)."""
+    return (new.path, new.revision) == (old.path, old.revision)

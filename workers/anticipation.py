@@ -6,36 +6,53 @@ the next batch (`late_binding`: a fifth of a forward before its end). Its next c
 few milliseconds after its replies, when the next forward, full of other tenants' rows, has
 started: they wait for all of it and then run in the one after, two full forwards. On the
 fairness benchmark that was 197 ms against 68 ms for the same tenant alone, every call, a p99
-ratio of 2.9 (BENCHMARKS.md 3b). An idle worker already waits `max_wait_ms` for a batch to
-fill; a busy one now waits for a *returning* tenant, up to `anticipate_ms`: while a tenant
-that had calls in a batch sent to the backend has fewer queued than it had there, the next
-batch is not picked until that tenant's replies are written and then either as many calls of
-it are queued again, or `anticipate_ms` has passed since its replies (anticipatory
-scheduling, as disk schedulers wait for a process's next read rather than seek away).
+ratio of 2.9 (BENCHMARKS.md 3b). So a busy worker waits for a *returning* tenant: while a
+tenant that had calls in a batch sent to the backend has fewer queued than it had there, the
+next batch is not picked until that tenant's replies are written and then either as many
+calls of it are queued again, or its wait is over (anticipatory scheduling, as disk
+schedulers wait for a process's next read rather than seek away).
 
 While a returning tenant is awaited it also keeps its place in the fair share
 (`FairShare.add`'s credit, one batch's worth at most): idle only between its replies and its
 next calls, it would otherwise be lifted to the others' level every round and get less than
 its share though it asks for no more.
 
-The cost is bounded: the backend idles at most `anticipate_ms` (plus the reply's writing) per
-forward, and only while such a tenant exists. A tenant with a backlog is never waited for; one
-whose wait ran out twice in a row (it stopped, thinks longer, or another worker reads its
-calls) is not waited for during its next `COOL_OFF_BATCHES` batches, then tried again.
+The cost is the backend's idle time, so the wait is bounded by what it costs: while other
+tenants' requests are queued, the backend idles at most `IDLE_SHARE` of a forward (the
+backend's own time per forward, `BackendOccupancy.compute_s`) per batch, counted from when it went
+idle, and never more than ``anticipate_ms`` after the tenant's replies (a wait that holds up no
+one is bounded by the latter only, and is no miss). The same setting holds for a 100 ms CPU
+forward (up to 25 ms: a local client's round trip, 10-15 ms on the fairness bench, fits) and a
+3 ms GPU forward (0.75 ms: none fits, so the tenant is soon not waited for and the worker stays
+work-conserving; its calls wait one short forward instead). What the backend idles when the
+tenant is caught is its round trip, not the bound: ~10% of a 100 ms forward on the 2-core
+machine of BENCHMARKS.md 3b. A tenant with a backlog is never waited for; one whose wait ran
+out twice in a row (it stopped, thinks longer, its round trip is longer than the bound, or
+another worker read its calls) is not waited for during its next `COOL_OFF_BATCHES` batches,
+twice as many each time it runs out again right after (up to `MAX_COOL_OFF_BATCHES`), then
+tried again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["COOL_OFF_BATCHES", "ReturningTenants"]
+__all__ = [
+    "COOL_OFF_BATCHES", "IDLE_SHARE", "MAX_COOL_OFF_BATCHES", "AwaitedFirst", "ReturningTenants",
+]  # fmt: skip
 
+#: The most the backend idles for a returning tenant per batch, as a share of a forward.
+IDLE_SHARE = 0.25
 #: Waits that ran out in a row before a tenant is not waited for a while ...
 MISSES_BEFORE_COOL_OFF = 2
-#: ... and for how many of its batches.
+#: ... and for how many of its batches (doubled each time it runs out again right after) ...
 COOL_OFF_BATCHES = 16
+#: ... up to this many.
+MAX_COOL_OFF_BATCHES = 1024
 
 
 @dataclass(slots=True)
@@ -49,25 +66,41 @@ class ReturningTenants:
     """Tenants whose next calls the next batch should wait for, and for how long.
 
     Args:
-        wait_s: how long after a tenant's replies are written its next calls are waited for
+        wait_s: the longest a tenant's next calls are waited for after its replies are written
             (the worker's ``anticipate_ms``; 0 waits for none).
         clock: monotonic seconds (a test's fake clock).
+        idle_share: the most the backend idles per batch for returning tenants, as a share of
+            a forward (`IDLE_SHARE`).
     """
 
-    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        idle_share: float = IDLE_SHARE,
+    ) -> None:
         self.wait_s = wait_s
         self.clock = clock
+        self.idle_share = idle_share
         self._expected: dict[str, _Expected] = {}
         self._misses: dict[str, int] = {}  # waits run out in a row, by tenant
         self._cooling: dict[str, int] = {}  # batches of the tenant not to wait after
+        self._cool_off: dict[str, int] = {}  # its next cool-off, if it runs out again after
 
-    def sent(self, tenant: str, calls: int, cost: float) -> None:
-        """A batch holding `calls` of `tenant`'s requests, charged `cost`, went to the backend."""
+    def sent(self, tenant: str, calls: int, cost: float, queued: int = 0) -> None:
+        """A batch holding `calls` of `tenant`'s requests, charged `cost`, went to the backend,
+        leaving `queued` of them for later batches (as many as `calls`: not awaited)."""
         if self._cooling.get(tenant):
             self._cooling[tenant] -= 1
             self._expected.pop(tenant, None)
-        elif self.wait_s > 0 and calls > 0:
+        elif self.wait_s > 0 and self.idle_share > 0 and 0 < calls and queued < calls:
             self._expected[tenant] = _Expected(calls, cost)
+        else:
+            self._expected.pop(tenant, None)
+
+    def awaits(self, tenant: str) -> bool:
+        """Whether the next pick may wait for `tenant`'s calls (its replies come first)."""
+        return tenant in self._expected
 
     def credit(self, tenant: str) -> float:
         """The fair-share credit a returning tenant keeps (`FairShare.add`): what its calls in
@@ -81,23 +114,43 @@ class ReturningTenants:
         if expected is not None and expected.replied_at is None:
             expected.replied_at = self.clock()
 
-    def waiting(self, backlog: Callable[[str], int]) -> tuple[bool, float | None]:
+    def waiting(
+        self,
+        backlog: Callable[[str], int],
+        idle_since: float | None = None,
+        forward_s: float = 0.0,
+        queued: int | None = None,
+    ) -> tuple[bool, float | None]:
         """Whether to hold the next pick, and at most how long (None: until a reply is written).
 
         `backlog(tenant)` is how many of the tenant's requests are queued for picking; a
         tenant with as many as it had in its batch, or whose wait is over, is forgotten.
+        `idle_since`: when the backend went idle (None: it is busy); `forward_s`: how long a
+        forward takes (0: not known yet); `queued`: the requests queued of every tenant (None:
+        not known). Only while others' requests are queued does the idle cost anything: then
+        it is bounded by a share of a forward, and a wait that ran out counts as a miss.
         """
         now = self.clock()
+        awaited = sum(backlog(tenant) for tenant in self._expected)
+        contended = queued is None or queued > awaited
+        idle_end = None
+        if contended and idle_since is not None and forward_s > 0:
+            idle_end = idle_since + self.idle_share * forward_s
         longest: float | None = 0.0
         for tenant, expected in list(self._expected.items()):
+            end = idle_end
+            if expected.replied_at is not None:
+                end = min(expected.replied_at + self.wait_s, end or float("inf"))
             if backlog(tenant) >= expected.calls:
                 del self._expected[tenant]
                 self._misses.pop(tenant, None)
-            elif expected.replied_at is None:
+                self._cool_off.pop(tenant, None)
+            elif end is None:
                 longest = None
-            elif (left_s := expected.replied_at + self.wait_s - now) <= 0:
+            elif (left_s := end - now) <= 0:
                 del self._expected[tenant]
-                self._missed(tenant)
+                if contended:
+                    self._missed(tenant)
             elif longest is not None:
                 longest = max(longest, left_s)
         return (bool(self._expected), longest if self._expected else 0.0)
@@ -111,4 +164,35 @@ class ReturningTenants:
         misses = self._misses[tenant] = self._misses.get(tenant, 0) + 1
         if misses >= MISSES_BEFORE_COOL_OFF:
             del self._misses[tenant]
-            self._cooling[tenant] = COOL_OFF_BATCHES
+            batches = self._cool_off.get(tenant, COOL_OFF_BATCHES)
+            self._cooling[tenant] = batches
+            self._cool_off[tenant] = min(2 * batches, MAX_COOL_OFF_BATCHES)
+
+
+class AwaitedFirst:
+    """An awaited tenant's replies are written before the other parts' of its batch: until its
+    next calls are back the backend idles, and other replies written ahead of its own on the
+    worker's one writer thread lengthened that idle by their writing (on the fairness bench
+    B's replies were written 7.5 ms after the forward's end behind A's, 4 ms ahead of them).
+
+    Args:
+        parts: how many of the batch's parts are awaited tenants'.
+    """
+
+    def __init__(self, parts: int) -> None:
+        self._left = parts
+        self._written = asyncio.Event()
+        if parts <= 0:
+            self._written.set()
+
+    def written(self) -> None:
+        """One awaited part's replies are written, or never will be (once per such part)."""
+        self._left -= 1
+        if self._left <= 0:
+            self._written.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait until every awaited part's replies are written, at most `timeout_s` (a safety
+        bound: their writing is bounded by Redis's stall timeout and retries)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._written.wait(), timeout_s)

@@ -20,24 +20,22 @@ from typing import Any
 
 from lmqueue.shared.errors import SettingsError
 from lmqueue.shared.lm.interface import AsyncLM
-from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.settings import BACKENDS, WorkerSettings
 
-__all__ = ["backend_class", "backend_options", "load_backend", "one_torch_team"]
-
-#: Backend name -> (module, class); modules are imported only when their backend is used.
-_CLASSES = {
-    "mock": ("lmqueue.workers.backends.mock", "MockAsyncLM"),
-    "hf": ("lmqueue.workers.backends.hf", "AsyncTransformer"),
-    "vllm": ("lmqueue.workers.backends.vllm", "AsyncVirtualLM"),
-    "sgl": ("lmqueue.workers.backends.sgl", "AsyncSGLTransformer"),
-}
+__all__ = [
+    "backend_class",
+    "backend_options",
+    "batching_for_device",
+    "load_backend",
+    "one_torch_team",
+]
 
 
 def backend_class(name: str) -> Any:
-    """The class of backend `name` (its engine is imported only by `from_name`)."""
-    if name not in _CLASSES:
-        raise SettingsError(f"backend={name!r}: expected one of {', '.join(_CLASSES)}")
-    module, attribute = _CLASSES[name]
+    """The class of backend `name` (`BACKENDS`; its engine is imported only by `from_name`)."""
+    if name not in BACKENDS:
+        raise SettingsError(f"backend={name!r}: expected one of {', '.join(BACKENDS)}")
+    module, attribute = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), attribute)
 
 
@@ -56,8 +54,28 @@ def backend_options(settings: WorkerSettings, accepted: frozenset[str]) -> dict[
     if "max_batch_tokens" in accepted:  # a backend that forms its own batches
         options.setdefault("batch_size", settings.batch_size)
         options.setdefault("max_batch_tokens", settings.max_batch_tokens)
-        options.setdefault("timeout", settings.max_wait_ms / 1000)
+        if "timeout" not in options:  # genlm's name for it, if the options use it
+            options.setdefault("max_wait_s", settings.max_wait_ms / 1000)
     return options
+
+
+def batching_for_device(settings: WorkerSettings) -> WorkerSettings:
+    """`settings` with the GPU's batch limits (``gpu_batch_size``, ``gpu_max_batch_tokens``)
+    when an hf backend will put its model on a GPU (``--device cuda...``, or none and CUDA is
+    there): one forward then holds a whole SMC step of hundreds of rows, not 32."""
+    if settings.backend != "hf":
+        return settings
+    if settings.device:
+        on_gpu = settings.device.startswith("cuda")
+    else:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        return settings
+    return replace(
+        settings, batch_size=settings.gpu_batch_size, max_batch_tokens=settings.gpu_max_batch_tokens
+    )
 
 
 def one_torch_team(settings: WorkerSettings) -> WorkerSettings:
@@ -67,9 +85,8 @@ def one_torch_team(settings: WorkerSettings) -> WorkerSettings:
 
     With OpenMP every thread that runs a parallel op keeps a team of its own; with more team
     threads than cores libgomp spins 100 times instead of 300,000 before sleeping between
-    ops, and a forward of many small ops (a LoRA's) pays a wake-up each: SmolLM2-135M, 32
-    rows on 2 threads, 212-248 ms on the forward thread behind the loader's team against
-    ~150 ms as the only team (measured here). With ``parallel_forwards`` the threads are
+    ops, and a forward of many small ops (a LoRA's) pays a wake-up each (the figures:
+    BENCHMARKS.md, "10. adapters"). With ``parallel_forwards`` the threads are
     split over the forwards (at least one each). Returns `settings` with the count in
     ``backend_opts`` (unless set there already).
     """

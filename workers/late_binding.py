@@ -2,7 +2,7 @@
 
 A worker's `FairShare` scheduler picks the next batch's members (reading its streams just
 before) only when the backend is about to be done with the previous batch
-(`BackendSlot`: a fifth of a forward before its expected end). Picked earlier (a whole
+(`BackendOccupancy`: a fifth of a forward before its expected end). Picked earlier (a whole
 forward ahead, as a plain prefetch does), a batch's membership is fixed before requests
 arriving meanwhile could join it: a light tenant's request arriving during one forward would
 wait for that forward, the one already picked, then its own. Picked only once the backend is
@@ -22,7 +22,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-__all__ = ["BackendSlot", "BatchForward", "ForwardPart"]
+__all__ = ["BackendOccupancy", "BatchForward", "ForwardPart"]
 
 
 #: How far ahead of a forward's expected end the next batch is picked, as a fraction of the
@@ -32,7 +32,7 @@ PICK_LEAD = 0.2
 _NEWEST = 0.2
 
 
-class BackendSlot:
+class BackendOccupancy:
     """Batches picked and not yet through the backend, and when the backend will be done.
 
     A backend runs up to `forwards` batches at once (`parallel_forwards`; one by default).
@@ -40,7 +40,9 @@ class BackendSlot:
     be picked when the oldest is expected to end within `PICK_LEAD` of a forward (the running
     estimate of a forward's duration, from the batches released so far): its calls then wait
     at the backend for that forward, as a prefetched batch's would, but their membership was
-    decided only that much earlier. Beyond that, picking waits for a release.
+    decided only that much earlier. Beyond that, picking waits for a release. It also keeps
+    what anticipation's bound needs: since when the backend holds no batch (`idle_since`) and
+    how long the backend itself takes for one (`compute_s`, from `BatchForward`).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, forwards: int = 1) -> None:
@@ -49,18 +51,27 @@ class BackendSlot:
         self.clock = clock
         self.forwards = forwards
         self.forward_s = 0.0  # running estimate; 0 until a batch was released
+        #: Running estimate of the backend's own part of a forward (`computed`), without the
+        #: reading, decoding and waiting of a batch in the slot: what idling costs.
+        self.compute_s = 0.0
         self._held = 0
         #: When the backend began each batch it runs (or was given it), by hold, oldest first ...
         self._running: dict[int, float] = {}
         #: ... and the held batches beyond `forwards`, waiting for a place, in order.
         self._waiting: list[int] = []
         self._next_hold = 0
+        self._idle_since = clock()
         self._changed = asyncio.Event()
 
     @property
     def busy(self) -> bool:
         """Whether a picked batch is still waiting for or in the backend."""
         return self._held > 0
+
+    @property
+    def idle_since(self) -> float | None:
+        """When the backend was last left with no batch (None: it holds one now)."""
+        return None if self._held else self._idle_since
 
     def pick_in_s(self) -> float | None:
         """Seconds until the next batch may be picked: 0 now, None until a release.
@@ -99,16 +110,20 @@ class BackendSlot:
                 self._waiting.remove(hold)
             else:
                 took_s = now - began
-                self.forward_s = took_s if not self.forward_s else (
-                    _NEWEST * took_s + (1 - _NEWEST) * self.forward_s
-                )  # fmt: skip
+                self.forward_s = _running(self.forward_s, took_s)
             self._held -= 1
+            if not self._held:
+                self._idle_since = now
             if self._waiting and len(self._running) < self.forwards:
                 self._running[self._waiting.pop(0)] = now  # it has the backend from now
             self._changed.set()
             self._changed = asyncio.Event()
 
         return release
+
+    def computed(self, took_s: float) -> None:
+        """The backend computed a batch's forward in `took_s` (`BatchForward`)."""
+        self.compute_s = _running(self.compute_s, took_s)
 
     async def wait_to_pick(self, timeout_s: float) -> bool:
         """Wait until the next batch may be picked, at most `timeout_s`; whether it may."""
@@ -122,15 +137,31 @@ class BackendSlot:
         return True
 
 
+def _running(estimate: float, took_s: float) -> float:
+    """A running estimate of a duration after one more measurement (0: none yet)."""
+    return took_s if not estimate else _NEWEST * took_s + (1 - _NEWEST) * estimate
+
+
 class BatchForward:
     """One batch's parts on their way to the backend: they call it together, and `computed`
-    is called once the backend is done with all of them."""
+    is called once the backend is done with all of them (`timed` with the seconds from the
+    last part's arrival, when the backend was called, to then)."""
 
-    def __init__(self, parts: int, computed: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        parts: int,
+        computed: Callable[[], None] | None = None,
+        timed: Callable[[float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._not_ready = parts
         self._not_computed = parts
         self._all_ready = asyncio.Event()
         self._computed = computed
+        self._timed = timed
+        self._called_at = 0.0
+        self._calls = False  # whether any part calls the backend (cache hits do not)
         if not parts:
             self._all_ready.set()
 
@@ -140,13 +171,18 @@ class BatchForward:
 
     def _arrive(self) -> None:
         self._not_ready -= 1
-        if self._not_ready <= 0:
+        if self._not_ready <= 0 and not self._all_ready.is_set():
+            self._called_at = self._clock()
             self._all_ready.set()
 
     def _done(self) -> None:
         self._not_computed -= 1
-        if self._not_computed == 0 and self._computed is not None:
+        if self._not_computed:
+            return
+        if self._computed is not None:
             self._computed()
+        if self._timed is not None and self._calls and self._called_at:
+            self._timed(self._clock() - self._called_at)
 
 
 class ForwardPart:
@@ -160,6 +196,7 @@ class ForwardPart:
 
     async def ready(self) -> None:
         """This part is about to call the backend: wait until every part is."""
+        self._batch._calls = True
         if not self._ready:
             self._ready = True
             self._batch._arrive()

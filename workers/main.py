@@ -24,15 +24,17 @@ from lmqueue.shared.errors import InvalidName, SettingsError
 from lmqueue.shared.failures import ArgumentParser, configure_logging, report_failure
 from lmqueue.shared.redis_errors import redis_boundary
 from lmqueue.shared.redis_roles import connect_redis_roles
-from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.redis_version import check_redis_version
+from lmqueue.shared.settings import BACKENDS, RedisSettings, WorkerSettings
 
-from .backend_loader import load_backend, one_torch_team
+from .backend_loader import batching_for_device, load_backend, one_torch_team
 from .health import HealthServer, HealthState
 from .metrics import WorkerMetrics
+from .startup_line import startup_line
 from .upkeep import health_state
 from .worker import Worker
 
-__all__ = ["main", "build_parser", "run_worker"]
+__all__ = ["main", "build_parser", "run_worker", "settings_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     """The worker's flags; each overrides the LMQ_* variable of the same name."""
     parser = parser or ArgumentParser(prog="lmq worker", description=__doc__)
     parser.add_argument("--model", help="model alias, directory or hub id (LMQ_MODEL)")
-    parser.add_argument("--backend", choices=["hf", "mock", "vllm", "sgl"], help="(LMQ_BACKEND)")
+    parser.add_argument("--backend", choices=list(BACKENDS), help="(LMQ_BACKEND)")
     parser.add_argument("--redis-url", help="queue Redis (LMQ_REDIS_URL or REDIS_URL)")
     parser.add_argument(
         "--cache-url", help="shared-cache Redis, default: the queue's (LMQ_CACHE_URL)"
@@ -136,13 +138,15 @@ async def _serve(
     settings: WorkerSettings, stop: asyncio.Event, metrics: WorkerMetrics, health: HealthState
 ) -> None:
     roles = await connect_redis_roles(settings.redis)  # first: a wrong password fails at once
-    logger.info("loading %s backend for %s", settings.backend, settings.model)
-    settings = one_torch_team(settings)
-    try:
+    try:  # then a Redis too old to serve from, before minutes of model loading
+        await _check_versions(settings, roles)
+        logger.info("loading %s backend for %s", settings.backend, settings.model)
+        settings = one_torch_team(batching_for_device(settings))
         backend = await asyncio.to_thread(load_backend, settings)
     except BaseException:
         await roles.aclose()
         raise
+    logger.info(startup_line(settings.name, settings.model, backend))
     try:
         with redis_boundary(f"worker {settings.name}", settings.redis.url):
             worker = Worker(
@@ -156,6 +160,14 @@ async def _serve(
         logger.info("worker %s stopped", settings.name)
 
 
+async def _check_versions(settings: WorkerSettings, roles: Any) -> None:
+    """Refuse a queue or cache Redis older than lmqueue's minimum (`shared.redis_version`)."""
+    timeout_s = settings.redis.connect_timeout_s
+    await check_redis_version(roles.queue, settings.redis.url, "queue", timeout_s)
+    if roles.separate and roles.cache is not None:
+        await check_redis_version(roles.cache, roles.cache_url or "", "cache", timeout_s)
+
+
 def _masses(backend: Any) -> Any:
     """The trie-mass computer over the backend's vocabulary."""
     from .masses import TrieMasses
@@ -163,7 +175,7 @@ def _masses(backend: Any) -> Any:
     return TrieMasses(backend.byte_vocab)
 
 
-def return_freed_memory_to_the_os(
+def _return_freed_memory_to_the_os(
     threshold_bytes: int = 128 << 10, keep_free_bytes: int = 32 << 20
 ) -> bool:
     """Serve allocations above `threshold_bytes` by mmap, so freeing them shrinks the process.
@@ -197,7 +209,7 @@ def main(argv: list[str] | None = None, verbose: bool = False) -> int:
         settings = settings_from_args(args)
         configure_logging(settings.log_level.upper())
         if settings.malloc_mmap_threshold:  # before the model's weights are allocated
-            return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
+            _return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
         asyncio.run(run_worker(settings))
     except (Exception, KeyboardInterrupt) as exc:
         return report_failure("lmq worker", exc, verbose or args.verbose)

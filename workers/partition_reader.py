@@ -171,7 +171,7 @@ class PartitionReader(Generic[Lane]):
         if not others or (self.steal_after_ms and now < self._next_look):
             return []
         self._next_look = now + self._check_every_ms() / 1000
-        waiting = await oldest_waiting_ms(self.redis, others)
+        waiting = await _oldest_waiting_ms(self.redis, others)
         if not waiting:
             return []
         oldest_ms, partition = min((ms, lane.partition or 0) for lane, ms in waiting)
@@ -223,7 +223,7 @@ class PartitionReader(Generic[Lane]):
         return read
 
 
-async def oldest_waiting_ms(redis: Any, lanes: Sequence[Lane]) -> list[tuple[Lane, int]]:
+async def _oldest_waiting_ms(redis: Any, lanes: Sequence[Lane]) -> list[tuple[Lane, int]]:
     """For each of `lanes` with entries not yet delivered, when its oldest one was added (the
     ms part of its id, Redis's clock): the group's last-delivered id, then the entry after it."""
     async with redis.pipeline(transaction=False) as pipe:

@@ -5,10 +5,11 @@ The steps, each cheap before the expensive one:
 1. admit: decode, size-check, deadline-check and validate every entry; a bad entry gets its
    typed error reply (or a dead letter when it names no client) and never reaches the model;
 2. look up every distinct prompt in the shared cache with one MGET;
-3. compute each distinct missing prompt once through the backend (concurrent calls, which the
-   backend batches); when a shared forward fails, bisect to find the request that poisons it,
-   so the others still get results. A backend also batches calls of *other* batches in flight
-   on this worker, so a failure is only final once re-run with the backend to itself
+3. compute each distinct missing prompt once through the backend, the batch in one call
+   (`AsyncLM.logprobs_batch`: one forward); when a shared forward fails, bisect to find the
+   request that poisons it, so the others still get results. A backend also batches calls of
+   *other* batches in flight on this worker, so a failure is only final once re-run with the
+   backend to itself
    (`ForwardGate`): another batch's poison never becomes this batch's error;
 4. encode vectors once per (prompt, dtype) and answer every request; a fresh result the
    worker writes to the shared cache goes to clients that resolve claim-checks as one.
@@ -43,8 +44,16 @@ from lmqueue.shared.errors import (
 from lmqueue.shared.keys import validate_client_id
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.shared_cache import SharedCache
-from lmqueue.shared.wire import Request, bytes_to_vector, decode_request, vector_payload
+from lmqueue.shared.wire import (
+    Request,
+    bytes_to_vector,
+    decode_request,
+    deferred_payload,
+    payload_bytes,
+    vector_payload,
+)
 
 from .adapter_set import AdapterSet
 from .late_binding import ForwardPart
@@ -84,7 +93,7 @@ class MassComputer(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class _Job:
     """An admitted request and the entry it came from."""
 
     entry: Entry
@@ -151,6 +160,7 @@ class BatchProcessor:
         metrics: WorkerMetrics | None = None,
         adapters: AdapterSet | None = None,
         tenant: str = "default",
+        gate: ForwardGate | None = None,
     ) -> None:
         self.backend = backend
         self.cache = cache
@@ -162,7 +172,9 @@ class BatchProcessor:
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses
         self.metrics = metrics
-        self.gate = ForwardGate()
+        #: Shared by the lanes of one worker (`TenantLanes`): an isolating batch has the backend
+        #: to itself, whichever tenant's it is.
+        self.gate = gate if gate is not None else ForwardGate()
         #: Client ids already validated (a regex per entry otherwise); cleared when full.
         self._valid_clients: set[str] = set()
 
@@ -176,9 +188,16 @@ class BatchProcessor:
         """
         outcome = Outcome(acks=[entry.entry_id for entry in entries])
         now_ms = time.time() * 1000
+        unknown: list[Entry] = []  # naming an adapter not loaded here (yet)
         jobs = [
-            job for entry in entries if (job := self._admit(entry, outcome, now_ms)) is not None
+            job
+            for entry in entries
+            if (job := self._admit(entry, outcome, now_ms, unknown)) is not None
         ]
+        if unknown and self.adapters is not None:  # loaded if published since, else refused
+            with contextlib.suppress(*REDIS_TROUBLE):
+                await self.adapters.refresh()
+            jobs += [job for e in unknown if (job := self._admit(e, outcome, now_ms)) is not None]
         if self.metrics is not None:
             tokens = sum(len(job.request.token_bytes) for job in jobs) // 4  # int32 ids
             self.metrics.observe_batch(len(entries), tokens)
@@ -191,7 +210,11 @@ class BatchProcessor:
         return outcome
 
     # -- 1. admission ------------------------------------------------------------------------------
-    def _admit(self, entry: Entry, outcome: Outcome, now_ms: float) -> Job | None:
+    def _admit(
+        self, entry: Entry, outcome: Outcome, now_ms: float, unknown: list[Entry] | None = None
+    ) -> _Job | None:
+        """The entry's job, or None with its error (or dead letter) in `outcome`; an entry
+        naming an adapter not served goes to `unknown` instead, when given (see `process`)."""
         try:
             request = decode_request(entry.fields)
             if request.client_id not in self._valid_clients:
@@ -213,10 +236,13 @@ class BatchProcessor:
         try:
             self._check(entry, request, now_ms)
         except LMQueueError as exc:
+            if isinstance(exc, UnknownAdapter) and unknown is not None:
+                unknown.append(entry)
+                return None
             logger.info("request %s refused: %s", request.request_id, exc.message)
             outcome.error(request.client_id, request.request_id, exc)
             return None
-        return Job(entry, request)
+        return _Job(entry, request)
 
     def _check(self, entry: Entry, request: Request, now_ms: float) -> None:
         size = sum(map(len, entry.fields.values()))
@@ -242,7 +268,7 @@ class BatchProcessor:
 
     # -- 2-4. answering ----------------------------------------------------------------------------
     async def _answer(
-        self, jobs: list[Job], outcome: Outcome, forward: ForwardPart | None = None
+        self, jobs: list[_Job], outcome: Outcome, forward: ForwardPart | None = None
     ) -> None:
         wanted: dict[Prompt, set[str]] = {}
         for job in jobs:
@@ -266,7 +292,7 @@ class BatchProcessor:
             if isinstance(result, BaseException):
                 continue
             for dtype in wanted[prompt]:
-                payload = vector_payload(result, dtype)
+                payload = deferred_payload(result, dtype)  # converted on the writer thread
                 payloads[(prompt, dtype)] = payload
                 if self.cache is not None:
                     key = self.cache.key(dtype, prompt[1], prompt[0] or None)
@@ -317,7 +343,7 @@ class BatchProcessor:
     ) -> None:
         assert self.mass_computer is not None
         try:
-            logprobs = bytes_to_vector(logprobs_payload, "float32")
+            logprobs = bytes_to_vector(payload_bytes(logprobs_payload), "float32")
             masses = await self.mass_computer.masses(logprobs, request)
         except LMQueueError as exc:
             outcome.error(request.client_id, request.request_id, exc)
@@ -355,13 +381,10 @@ class BatchProcessor:
         return {p: _final(r) for p, r in results.items()}
 
     async def _run(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
-        calls = [
-            self.backend.next_token_logprobs(bytes_to_ids_list(p), lora_name=adapter or None)
-            if adapter
-            else self.backend.next_token_logprobs(bytes_to_ids_list(p))
-            for adapter, p in prompts
-        ]
-        outputs = await asyncio.gather(*calls, return_exceptions=True)
+        """The backend's result or error for each prompt, all in one call (one forward)."""
+        outputs = await self.backend.logprobs_batch(
+            [(adapter or None, _bytes_to_ids_list(p)) for adapter, p in prompts]
+        )
         return dict(zip(prompts, outputs, strict=True))
 
     async def _isolate(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
@@ -379,7 +402,7 @@ class BatchProcessor:
         return results
 
 
-def bytes_to_ids_list(token_bytes: bytes) -> list[int]:
+def _bytes_to_ids_list(token_bytes: bytes) -> list[int]:
     """The prompt's ids as a list of Python ints."""
     return np.frombuffer(token_bytes, dtype="<i4").tolist()
 

@@ -16,6 +16,11 @@ each fresh result travels, writes everything, and only then acknowledges:
 - On a Redis Cluster a pipeline's commands go to their keys' nodes concurrently, so order
   holds only per node: cache entries are written first (as for a separate cache instance),
   and acknowledgements after the replies, in a pipeline of their own.
+
+Where the connections are plain (not TLS), all of it runs on the worker's `WriterThread`:
+blocking connections, one ``sendmsg`` per pipeline and node (`threaded_write`), while the
+event loop goes on with the next batch. Over TLS redis-py's asyncio pipelines write it, and
+on a cluster they write a batch whose slot moved meanwhile (they follow the redirection).
 """
 
 from __future__ import annotations
@@ -29,19 +34,33 @@ from typing import Any
 from lmqueue.shared.connections import bounded, execute_pipeline, is_cluster
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN
+from lmqueue.shared.resp_socket import Target
+from lmqueue.shared.serial_torch import serial_torch_here
 from lmqueue.shared.settings import WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
-from lmqueue.shared.wire import encode_claim, encode_result
+from lmqueue.shared.wire import encode_claim, encode_result, payload_bytes
 
 from .metrics import WorkerMetrics
 from .outcome import Outcome
+from .reply_routes import Routes
 from .request_stream import RequestStream
+from .threaded_write import (
+    Redirected,
+    Routed,
+    execute_routed,
+    put_routed,
+    reply_commands,
+    routed_sets,
+)
+from .writer_thread import WriterThread
 
 __all__ = ["ReplyWriter"]
 
 logger = logging.getLogger(__name__)
 
 _CLAIM_PAUSE_S = 60
+#: Reply stream names kept (one per client recently answered); cleared when full.
+_REPLY_KEYS_KEPT = 4096
 
 
 class ReplyWriter:
@@ -55,6 +74,7 @@ class ReplyWriter:
         settings: WorkerSettings,
         cache: SharedCache | None,
         metrics: WorkerMetrics | None = None,
+        thread: WriterThread | None = None,
     ) -> None:
         self.redis = redis
         self.stream = stream
@@ -64,26 +84,118 @@ class ReplyWriter:
         self.metrics = metrics
         self.claims_paused_until = 0.0
         self._cluster = is_cluster(redis)
+        clients = [redis] if cache is None else [redis, cache.redis]
+        #: Writes on the writer thread where it can reach every instance; else redis-py.
+        self.thread = thread if all(Routes.supports(c) for c in clients) else None
+        self._routes = Routes(redis)
+        self._cache_routes = self._routes if cache is None else Routes(cache.redis)
+        self._reply_keys: dict[str, str] = {}
+        #: Batches written through redis-py because a cluster slot had moved.
+        self.redirected = 0
+
+    @property
+    def _apart(self) -> bool:
+        """Whether cache entries are written before the replies, apart (another instance,
+        or a cluster, where order holds per node only)."""
+        cache = self.cache
+        return cache is not None and (cache.redis is not self.redis or self._cluster)
 
     async def flush(self, outcome: Outcome, attempts: int = 20) -> None:
         """Write `outcome`; retry while Redis is down, then leave its entries pending."""
-        cache = self.cache
-        apart = cache is not None and (cache.redis is not self.redis or self._cluster)
-        if outcome.cache_puts and cache is not None and apart:
-            stored = await cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
-            puts = zip(outcome.cache_puts, stored, strict=True)
-            self._settle_claims(outcome, {key for (key, _), ok in puts if ok})
-            outcome.cache_puts = []
+        thread = self.thread
+        if thread is None:
+            await self._put_apart(outcome)
         for attempt in range(attempts):
             try:
-                timeout_s = self.settings.redis.stall_timeout_s
-                await bounded(self._write(outcome), timeout_s, "writing replies")
+                if thread is not None:
+                    await self._write_on_thread(thread, outcome)
+                else:
+                    timeout_s = self.settings.redis.stall_timeout_s
+                    await bounded(self._write(outcome), timeout_s, "writing replies")
                 self._observe(outcome)
                 return
             except REDIS_DOWN as exc:
                 logger.warning("writing replies failed (%s); attempt %d", exc, attempt + 1)
                 await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
         logger.error("gave up writing %d replies; their entries stay pending", len(outcome.replies))
+
+    async def _put_apart(self, outcome: Outcome) -> None:
+        """redis-py's path: cache entries apart first; their answers decide the claims."""
+        cache = self.cache
+        if outcome.cache_puts and cache is not None and self._apart:
+            stored = await cache.put_many(outcome.cache_puts, self.settings.cache_ttl_s)
+            puts = zip(outcome.cache_puts, stored, strict=True)
+            self._settle_claims(outcome, {key for (key, _), ok in puts if ok})
+            outcome.cache_puts = []
+
+    async def _write_on_thread(self, thread: WriterThread, outcome: Outcome) -> None:
+        """Write on the writer thread; through redis-py if a cluster slot moved meanwhile."""
+        reply_keys, routes = self._route(outcome)
+        try:
+            await thread.run(self._write_blocking, thread, outcome, reply_keys, routes)
+        except Redirected as exc:
+            self.redirected += 1
+            logger.info("a slot moved (%s); writing this batch through redis-py", exc)
+            await self._put_apart(outcome)
+            await bounded(self._write(outcome), self.settings.redis.stall_timeout_s,
+                          "writing replies")  # fmt: skip
+
+    def _route(self, outcome: Outcome) -> tuple[dict[str, str], dict[str, Target]]:
+        """The batch's reply streams by client, and every key it writes to its connection
+        (on the loop: redis-py's slot map is read here)."""
+        known = self._reply_keys
+        if len(known) > _REPLY_KEYS_KEPT:
+            known.clear()
+        reply_keys: dict[str, str] = {}
+        for client_id in [c for c, _ in outcome.replies] + [i.client_id for i in outcome.claimable]:
+            if client_id not in reply_keys:
+                key = known.get(client_id)
+                if key is None:
+                    key = known[client_id] = self.keys.replies(client_id)
+                reply_keys[client_id] = key
+        routes = {key: self._cache_routes.of(key) for key, _ in outcome.cache_puts}
+        for key in [*reply_keys.values(), self.stream.stream, self._dead_stream]:
+            routes[key] = self._routes.of(key)
+        return reply_keys, routes
+
+    @property
+    def _dead_stream(self) -> str:
+        return self.keys.dead_letters(self.settings.model)
+
+    def _write_blocking(
+        self,
+        thread: WriterThread,
+        outcome: Outcome,
+        reply_keys: dict[str, str],
+        routes: dict[str, Target],
+    ) -> None:
+        """On the writer thread: cache entries apart first, then the rest, acks last."""
+        serial_torch_here()  # deferred payloads convert here, one op each
+        ttl_s = self.settings.cache_ttl_s
+        if outcome.cache_puts and self._apart:
+            self._settle_claims(outcome, put_routed(thread, outcome.cache_puts, routes, ttl_s))
+            outcome.cache_puts = []
+        puts = outcome.cache_puts
+        self._settle_claims(outcome, {key for key, _ in puts} if self._claims_allowed() else ())
+        commands = routed_sets(puts, routes, ttl_s)
+        commands += reply_commands(outcome, reply_keys, routes, self.settings, self._dead_stream)
+        acks = self._ack_commands(outcome, routes[self.stream.stream])
+        if not self._cluster:  # one instance: in the same pipeline, after the replies
+            commands, acks = commands + acks, []
+        self._check_written(execute_routed(thread, commands), len(puts))
+        if acks:  # a cluster: only once every reply is written, on any node
+            for result in execute_routed(thread, acks):
+                if isinstance(result, Exception):
+                    raise result
+
+    def _ack_commands(self, outcome: Outcome, target: Target) -> list[Routed]:
+        stream = self.stream
+        if not outcome.acks:
+            return []
+        return [
+            (target, ("XACK", stream.stream, stream.group, *outcome.acks)),
+            (target, ("XDEL", stream.stream, *outcome.acks)),
+        ]
 
     def _settle_claims(self, outcome: Outcome, stored: Container[str]) -> None:
         """Turn claimable results into replies: claim-checks for keys in `stored`, else inline."""
@@ -119,7 +231,7 @@ class ReplyWriter:
             for client_id, fields in outcome.replies:
                 key = self.keys.replies(client_id)
                 reply_keys.add(key)
-                pipe.xadd(key, fields)
+                pipe.xadd(key, {name: payload_bytes(value) for name, value in fields.items()})
             for key in reply_keys:
                 pipe.expire(key, self.settings.reply_ttl_s)
             dead_stream = self.keys.dead_letters(self.settings.model)

@@ -50,6 +50,7 @@ from .partition_reader import PartitionReader
 from .processor import BatchProcessor, ForwardGate, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
+from .writer_thread import WriterThread
 
 __all__ = ["Lane", "TenantLanes"]
 
@@ -94,9 +95,12 @@ class TenantLanes:
         masses: MassComputer | None = None,
         metrics: WorkerMetrics | None = None,
         adapters: AdapterSet | None = None,
+        writer_thread: WriterThread | None = None,
     ) -> None:
         self.redis = redis
         self.adapters = adapters
+        #: Where every lane's replies are written (`ReplyWriter`), if given.
+        self.writer_thread = writer_thread
         self.cache_redis = cache_redis
         self.settings = settings
         self.info = info
@@ -153,10 +157,11 @@ class TenantLanes:
             )  # fmt: skip
         processor = BatchProcessor(
             self.backend, cache, info.max_prompt_tokens, settings.max_request_bytes, self.masses,
-            self.metrics, self.adapters, tenant,
+            self.metrics, self.adapters, tenant, self.gate,
         )  # fmt: skip
-        processor.gate = self.gate
-        writer = ReplyWriter(self.redis, stream, keys, settings, cache, self.metrics)
+        writer = ReplyWriter(
+            self.redis, stream, keys, settings, cache, self.metrics, self.writer_thread
+        )
         janitor = Janitor(stream, keys, settings)
         return Lane(tenant, keys, stream, processor, writer, janitor, partition=partition)
 

@@ -12,12 +12,13 @@ backend computes one batch (off the loop, on its own thread or device), the loop
 reads and picks the next batch only when the backend is about to be done with the current one
 (`late_binding`), so requests arriving meanwhile can still join it, and holds it a moment
 for a tenant whose calls the ending forward answered and whose next calls are on their way
-(`anticipation`: a closed loop's next step). A batch is decoded and looked up in the cache
-while the forward ends, and replying to one batch overlaps the next one's forward. Entries
-are read only just before they are picked: read and left waiting in the scheduler through a
-long forward, they would pass the claim timeout unattended. Beside the read loop run the
-`Upkeep` loops: a heartbeat, a tenant refresh and a janitor that reclaims entries abandoned
-by dead workers.
+(`anticipation`: a closed loop's next step; the backend idles for it at most a share of a
+forward, and its replies are written before the batch's others). A batch is decoded
+and looked up in the cache while the forward ends, and replying to one batch overlaps the
+next one's forward. Entries are read only just before they are picked: read and left waiting
+in the scheduler through a long forward, they would pass the claim timeout unattended. Beside
+the read loop run the `Upkeep` loops: a heartbeat, a tenant refresh and a janitor that
+reclaims entries abandoned by dead workers.
 
 Delivery is at least once: entries are acknowledged only after their replies are written, so
 a worker killed mid-batch leaves them pending for another worker (or itself, restarted under
@@ -38,20 +39,22 @@ from lmqueue.shared.connections import bounded
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
+from lmqueue.shared.serial_torch import serial_torch
 from lmqueue.shared.settings import WorkerSettings
 
 from .adapter_set import AdapterSet
-from .anticipation import ReturningTenants
+from .anticipation import AwaitedFirst, ReturningTenants
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
-from .late_binding import BackendSlot, BatchForward, ForwardPart
+from .late_binding import BackendOccupancy, BatchForward, ForwardPart
 from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .tenant_lanes import Lane, TenantLanes
 from .upkeep import Upkeep, UpkeepParts, health_state, sleep_unless
+from .writer_thread import WriterThread
 
 __all__ = ["Worker"]
 
@@ -88,17 +91,21 @@ class Worker:
         self.metrics.watch_cluster(self.cluster_rebuilds)
         self.health.watch_cluster(self.cluster_rebuilds)
         self.adapters = AdapterSet(backend, redis, self.keys, settings.model, settings.adapters)
+        #: Writes every lane's replies off the event loop (where connections are plain).
+        self.writer_thread = WriterThread(
+            settings.redis.connect_timeout_s, settings.redis.stall_timeout_s
+        )
         self.lanes = TenantLanes(
             redis, cache_redis or redis, settings, self.info, backend, masses, self.metrics,
-            self.adapters,
+            self.adapters, self.writer_thread,
         )  # fmt: skip
         self.scheduler: FairShare[tuple[Lane, Entry]] = FairShare(CALL_COST_TOKENS)
-        forwards = int(getattr(backend, "parallel_forwards", 1))
+        forwards = backend.parallel_forwards
         self.prefetch = max(prefetch, forwards + 1)  # one batch beyond those computing
         self.answered = 0
         self._tokenizer_files: dict[str, bytes] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self.slot = BackendSlot(forwards=forwards)
+        self.occupancy = BackendOccupancy(forwards=forwards)
         self.returning = ReturningTenants(settings.anticipate_ms / 1000)
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
@@ -178,9 +185,14 @@ class Worker:
             yield
 
     async def serve(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set, then finish in-flight batches within the grace period."""
-        async with self._computing():
-            await self._serve(stop)
+        """Serve until `stop` is set, then finish in-flight batches within the grace period.
+
+        The loop's thread runs its torch ops (dtype conversions of replies) serially meanwhile:
+        heavy compute never runs there, and a team of threads would spin after every op.
+        """
+        with serial_torch():
+            async with self._computing():
+                await self._serve(stop)
 
     async def _serve(self, stop: asyncio.Event) -> None:
         _freeze_startup_heap()  # before publishing: clients may send once it is published
@@ -199,6 +211,7 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.writer_thread.aclose()  # last: the janitor writes through it too
             with contextlib.suppress(*REDIS_DOWN):
                 await self.registry.leave(self.info.name, self.settings.name)
                 await self.redis.delete(self.keys.worker_stats(self.info.name, self.settings.name))
@@ -214,12 +227,14 @@ class Worker:
         reader = self.lanes.reader
         steal_after_ms, reader.steal_after_ms = reader.steal_after_ms, 0  # drain every partition
         try:
-            async with self._computing():
-                await self._drain_own_pending()
-                while picks := await self._read_batch(block_ms=None):
-                    await self._handle(picks)
+            with serial_torch():
+                async with self._computing():
+                    await self._drain_own_pending()
+                    while picks := await self._read_batch(block_ms=None):
+                        await self._handle(picks)
         finally:
             reader.steal_after_ms = steal_after_ms
+            await self.writer_thread.aclose()
         return self.answered - before
 
     # -- reading ---------------------------------------------------------------------------------
@@ -250,8 +265,8 @@ class Worker:
                 await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             try:
-                if self.slot.pick_in_s() != 0.0:  # pick when the backend is about to be done
-                    await self.slot.wait_to_pick(_IDLE_BLOCK_MS / 1000)
+                if self.occupancy.pick_in_s() != 0.0:  # pick when the backend is about to be done
+                    await self.occupancy.wait_to_pick(_IDLE_BLOCK_MS / 1000)
                     continue
                 if await self._await_returning():  # a returning tenant's calls may join it
                     continue
@@ -270,7 +285,10 @@ class Worker:
     async def _await_returning(self) -> bool:
         """Hold the next pick a moment for tenants whose calls the last batch answered
         (`anticipation`), reading their streams meanwhile; whether it was held."""
-        hold, wait_s = self.returning.waiting(self.scheduler.backlog)
+        backend = self.occupancy
+        hold, wait_s = self.returning.waiting(
+            self.scheduler.backlog, backend.idle_since, backend.compute_s, self.scheduler.backlog()
+        )
         if not hold:
             return False
         if wait_s is None and not self._inflight:  # a batch failed before replying
@@ -292,8 +310,8 @@ class Worker:
             n, cost = calls.get(pick.tenant, (0, 0.0))
             calls[pick.tenant] = (n + 1, cost + pick.charged)
         for tenant, (n, cost) in calls.items():
-            self.returning.sent(tenant, n, cost)
-        release = self.slot.hold()
+            self.returning.sent(tenant, n, cost, self.scheduler.backlog(tenant))
+        release = self.occupancy.hold()
         task = asyncio.create_task(self._handle(picks, computed=release))
         self._inflight.add(task)
         task.add_done_callback(lambda _: release())  # a failed batch releases it too
@@ -324,7 +342,7 @@ class Worker:
         """Read new entries of every lane holding less than a batch in the scheduler."""
         size = self.settings.batch_size
         wanting = [lane for lane in self.lanes if self.scheduler.backlog(lane.tenant) < size]
-        idle = not self.slot.busy and not self.scheduler.backlog()  # else: no stealing
+        idle = not self.occupancy.busy and not self.scheduler.backlog()  # else: no stealing
         by_lane: dict[str, tuple[Lane, list[Entry]]] = {}
         for lane, entry in await self.lanes.read(wanting, size, block_ms, idle):
             by_lane.setdefault(lane.stream.stream, (lane, []))[1].append(entry)
@@ -355,10 +373,14 @@ class Worker:
             stream = lane.stream.stream
             parts.setdefault(stream, (lane, []))[1].append(entry)
             charged[stream] = charged.get(stream, 0.0) + pick.charged
-        forward = BatchForward(len(parts), computed)
+        forward = BatchForward(len(parts), computed, self.occupancy.computed)
+        awaited = {s for s, (lane, _) in parts.items() if self.returning.awaits(lane.tenant)}
+        first = AwaitedFirst(len(awaited)) if 0 < len(awaited) < len(parts) else None
         results = await asyncio.gather(
             *(
-                self._handle_lane(lane, entries, charged[stream], forward.part())
+                self._handle_lane(
+                    lane, entries, charged[stream], forward.part(), first, stream in awaited
+                )
                 for stream, (lane, entries) in sorted(parts.items(), key=_smallest_first)
             ),
             return_exceptions=True,
@@ -373,11 +395,15 @@ class Worker:
         entries: Sequence[Entry],
         charged: float = 0.0,
         forward: ForwardPart | None = None,
+        first: AwaitedFirst | None = None,
+        awaited: bool = False,
     ) -> None:
         """Process one tenant's entries and write their outcome; keep their claims fresh.
 
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
         computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
+        With `first`, the batch has an `awaited` tenant, whose replies are written before
+        the others' (`AwaitedFirst`).
         """
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
@@ -389,9 +415,13 @@ class Worker:
                 await asyncio.gather(keepalive, return_exceptions=True)
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
             self.scheduler.adjust(lane.tenant, cost - charged)
+            if first is not None and not awaited:
+                await first.wait(self.settings.redis.stall_timeout_s)
             await lane.writer.flush(outcome)
         finally:  # replied, or never will be: either way its wait for the tenant may start
             self.returning.replied(lane.tenant)
+            if first is not None and awaited:
+                first.written()
         self.answered += len(outcome.acks)
 
     async def _keep_claims(self, lane: Lane, entry_ids: list[str]) -> None:
@@ -448,8 +478,8 @@ def _freeze_startup_heap() -> None:
 
 
 def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:
-    """Order of a batch's parts: the smallest first, so its replies are written first (a
-    light tenant's closed loop sends its next calls sooner; `anticipation`)."""
+    """Order of a batch's parts: the smallest first (among parts not held for an awaited
+    tenant's replies, `AwaitedFirst`, its replies are written first)."""
     return len(part[1][1])
 
 

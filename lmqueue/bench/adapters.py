@@ -54,6 +54,7 @@ import numpy as np
 
 from lmqueue.shared.settings import DEFAULT_BATCH_SIZE
 
+from . import devices
 from .memory_bounds import vm_hwm
 from .program_runner import run_together
 from .report import DEFAULT_OUT_DIR, Report, command_parser
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900, help="fail a round that hangs")
+    devices.add_device_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
 
@@ -116,6 +118,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mixed["mixed_calls_per_s"] / mixed["sequential_calls_per_s"], 3
         ),
     }
+    gpu = (adapter_side["workers_gpu_in_use_bytes"], merged_side["workers_gpu_in_use_bytes"])
+    if all(gpu):
+        ratios["gpu_memory"] = round(gpu[0] / gpu[1], 3)
     summary = (
         f"adapters ratio 1 worker + 3 adapters / 4 merged workers: {ratios['calls_per_s']:.2f}x "
         f"calls/s, {ratios['memory']:.2f}x workers' memory ({ratios['memory_with_clients']:.2f}x "
@@ -143,9 +148,8 @@ def _make_models(
 def _merged_round(args: argparse.Namespace, url: str, models: list[str]) -> dict[str, Any]:
     """Program i against its own worker serving model i."""
     threads = _threads(args, len(models))
-    workers = [
-        _worker(m, url, f"merged-{i}", threads, _batch_args(args)) for i, m in enumerate(models)
-    ]
+    extra = [*_batch_args(args), *devices.worker_args(args.device)]
+    workers = [_worker(m, url, f"merged-{i}", threads, extra) for i, m in enumerate(models)]
     try:
         for worker, model in zip(workers, models, strict=True):
             asyncio.run(wait_for_workers(url, model, [worker]))
@@ -166,8 +170,9 @@ def _adapters_round(
     opts = ["--backend-opts", json.dumps({"parallel_forwards": forwards})]
     batch = args.batch_size or max(DEFAULT_BATCH_SIZE // forwards, 1)  # as many rows in flight
     worker = _worker(
-        args.model, url, "adapters", threads, [*specs, *opts, "--batch-size", str(batch)]
-    )
+        args.model, url, "adapters", threads,
+        [*specs, *opts, "--batch-size", str(batch), *devices.worker_args(args.device)],
+    )  # fmt: skip
     try:
         asyncio.run(wait_for_workers(url, args.model, [worker]))
         names: list[str | None] = [None, *adapters]
@@ -223,6 +228,7 @@ def _figures(
     clients = sum(r["peak_rss_bytes"] or 0 for r in results)
     served = sum(vm_hwm(w.pid) or 0 for w in workers)
     return {
+        "workers_gpu_in_use_bytes": devices.gpu_used_bytes(w.pid for w in workers),
         "programs": len(commands), "workers": len(workers), "calls": calls,
         "wall_s": round(wall_s, 2), "calls_per_s": round(calls / wall_s, 2),
         "peak_rss_bytes": clients + served, "workers_peak_rss_bytes": served,
@@ -274,10 +280,12 @@ async def _ask(lm: Any, name: str | None, prompts: list[list[int]]) -> None:
 
 def _line(side: str, f: dict[str, Any]) -> str:
     mib, workers_mib = f["peak_rss_bytes"] / 2**20, f["workers_peak_rss_bytes"] / 2**20
+    gpu = f.get("workers_gpu_in_use_bytes")
     return (
         f"{side:<8} {f['workers']} worker(s): {f['calls_per_s']:7.2f} calls/s aggregate "
         f"({f['calls']} calls in {f['wall_s']:.1f} s), peak RSS summed: workers "
         f"{workers_mib:8.1f} MiB, with the clients {mib:8.1f} MiB"
+        + (f"; workers' GPU memory {gpu / 2**20:8.1f} MiB" if gpu is not None else "")
     )
 
 

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "cache": "lmqueue.bench.cache",
     "scaling": "lmqueue.bench.scaling",
     "model": "lmqueue.bench.model",
+    "forward": "lmqueue.bench.forward",
     "memory": "lmqueue.bench.memory",
     "trie": "lmqueue.bench.trie",
     "programs": "lmqueue.bench.programs",
@@ -30,11 +31,12 @@ BENCHMARKS = {
     "affinity": "lmqueue.bench.affinity",
     "adapters": "lmqueue.bench.adapters",
     "engines": "lmqueue.bench.engines",
+    "soak": "lmqueue.bench.soak.run",
 }
 #: The order of ``all``: the fast transport-level ones first, the model-bound ones last.
 ALL_ORDER = [
-    "transport", "cache", "scaling", "cluster", "fairness", "model", "memory", "trie", "programs",
-    "affinity", "adapters", "engines",
+    "transport", "cache", "scaling", "cluster", "fairness", "forward", "model", "memory", "trie",
+    "programs", "affinity", "adapters", "engines",
 ]  # fmt: skip
 
 _USAGE = f"""usage: lmq bench {{{",".join(BENCHMARKS)},all}} [flags]

@@ -18,6 +18,9 @@ tenant's next calls after each reply. ``--repeats N`` runs it all N times (a fre
 worker each) and prints every run's figures, then the worst and the median; B's latencies are
 printed as p50/p99/p99.9/max and a histogram, and plotted as a CDF, so a tail shows at a
 glance. ``--real-repeats`` adds the same question on a real model (`fairness_model`).
+``--forward-ms`` scales the mock's costs so that a full batch takes that long (3: a GPU
+forward; the default is ~97 ms, a CPU one), and ``--workers N`` shares every tenant, B's closed
+loop included, between N workers.
 
 The other tenants' clients live in this one process, whose heap (torch; the flood's 2,000
 calls in flight, before it had a process of its own) made Python's full garbage collections
@@ -51,7 +54,7 @@ from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import connect_client, redis_server, wait_for_workers, worker_pool
 from .tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
 
-__all__ = ["add_arguments", "run", "main", "plot"]
+__all__ = ["add_arguments", "mock_costs", "run", "main", "plot"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batch-delay-s", type=float, default=0.02, help="fixed cost a batch")
     parser.add_argument("--token-delay-s", type=float, default=0.0003, help="cost a prompt token")
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=None,
+        help="a full batch's simulated forward, in ms (both costs scaled in their default "
+        "proportion; default: the two delays above, ~97 ms for 32 rows)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="workers sharing every tenant (B's loop too)"
+    )
     parser.add_argument("--light-inflight", type=int, default=16, help="tenant B's closed loop")
     parser.add_argument("--flood-inflight", type=int, default=2000, help="tenant A's flood")
     parser.add_argument("--weighted-inflight", type=int, default=300, help="C's and D's loops")
@@ -77,6 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_real_model_arguments(parser)
     parser.add_argument("--docs-plot", default="docs/fairness.png", help="'' for nowhere")
+
+
+def mock_costs(args: argparse.Namespace) -> tuple[float, float]:
+    """The mock's cost of a batch and of a prompt token: the flags', or with ``--forward-ms``
+    both scaled so that a full batch of 8-token prompts takes that long (a 3 ms GPU forward,
+    a 100 ms CPU one), split between the two as the flags split it."""
+    batch_s, token_s = args.batch_delay_s, args.token_delay_s
+    if args.forward_ms is None:
+        return batch_s, token_s
+    full_s = batch_s + token_s * args.batch_size * PROMPT_TOKENS
+    scale = args.forward_ms / 1000 / full_s
+    return batch_s * scale, token_s * scale
+
+
+def _full_forward_s(args: argparse.Namespace) -> float:
+    """How long the mock takes for a full batch of the benchmark's prompts."""
+    batch_s, token_s = mock_costs(args)
+    return batch_s + token_s * args.batch_size * PROMPT_TOKENS
 
 
 async def _window(args: argparse.Namespace) -> tuple[float, float]:
@@ -141,11 +172,8 @@ async def _weighted(args: argparse.Namespace, c: QueueLM, d: QueueLM) -> dict[st
 
 async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[str, Any]:
     """One run on a fresh Redis and worker; figures recorded under `prefix`."""
-    opts = {
-        "distinct_vectors": 64,
-        "batch_delay_s": args.batch_delay_s,
-        "token_delay_s": args.token_delay_s,
-    }
+    batch_delay_s, token_delay_s = mock_costs(args)
+    opts = {"distinct_vectors": 64, "batch_delay_s": batch_delay_s, "token_delay_s": token_delay_s}
     env = {"LMQ_CACHE_WRITES": "0", "LMQ_BATCH_SIZE": str(args.batch_size)}
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(redis_server())
@@ -157,7 +185,7 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
         admin.close()
         spec: dict[str, Any] = dict(model=args.model, backend="mock", redis_url=server.url,
                                     tag="fairness", backend_opts=opts, env=env)  # fmt: skip
-        workers = stack.enter_context(worker_pool(1, **spec))
+        workers = stack.enter_context(worker_pool(args.workers, **spec))
         await wait_for_workers(server.url, args.model, workers)
         clients: dict[str, QueueLM] = {}
         pauses = stack.enter_context(GcPauses())
@@ -257,7 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         Path(args.docs_plot).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(png, args.docs_plot)
     report.figure("plot", str(png), line=f"plot: {png} (run {worst + 1}, the worst p99 ratio)")
-    return report.finish(_ratios(summary, real), _summary(runs, summary, real), args.out_dir)
+    line = _summary(runs, summary, real, _full_forward_s(args), args.workers)
+    return report.finish(_ratios(summary, real), line, args.out_dir)
 
 
 def _real_model(args: argparse.Namespace, report: Report) -> dict[str, Any] | None:
@@ -282,7 +311,13 @@ def _ratios(summary: dict[str, Any], real: dict[str, Any] | None) -> dict[str, A
     return ratios
 
 
-def _summary(runs: list[dict[str, Any]], summary: dict[str, Any], real: Any) -> str:
+def _summary(
+    runs: list[dict[str, Any]],
+    summary: dict[str, Any],
+    real: Any,
+    forward_s: float | None = None,
+    workers: int = 1,
+) -> str:
     worst = {key: values["worst"] for key, values in summary.items()}
     med = {key: values["median"] for key, values in summary.items()}
     met = sum(run["meets_targets"] for run in runs)
@@ -294,6 +329,8 @@ def _summary(runs: list[dict[str, Any]], summary: dict[str, Any], real: Any) -> 
         f"{worst['throughput_ratio']:.3f} / {med['throughput_ratio']:.3f} [>= 0.95]; "
         f"all three met in {met} of {len(runs)}"
     )
+    if forward_s is not None:
+        line += f"; a full batch's forward {forward_s * 1000:.0f} ms, {workers} worker(s)"
     if real is not None:
         r = real["summary"]["p99_ratio"]
         line += f"; real model (SmolLM2-135M) p99 ratio {r['worst']:.2f} / {r['median']:.2f}"

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real-measure-s", type=float, default=20.0)
 
 
-class TimedLM:
+class _TimedLM:
     """Wraps a `QueueLM`: records how long each batch call (one SMC step) took."""
 
     def __init__(self, lm: QueueLM) -> None:
@@ -61,7 +61,7 @@ class TimedLM:
         return [latency for at, latency in self.done if start <= at < end]
 
 
-async def _programs(lm: TimedLM, workload: Workload, variant: int, stop: asyncio.Event) -> None:
+async def _programs(lm: _TimedLM, workload: Workload, variant: int, stop: asyncio.Event) -> None:
     """One of B's programs: SMC runs on its own prompt variant, one after another."""
     prompt = bench_prompt(lm.lm.tokenizer, len(workload.prompt), variant=variant)
     seed = variant * 1000
@@ -82,7 +82,7 @@ async def _experiment(args: argparse.Namespace, flood: QueueLM, light: QueueLM) 
         light.tokenizer, [bytes(t) for t in light.byte_vocab], 40,
         particles=args.real_particles, steps=12,
     )  # fmt: skip
-    timed, stop = TimedLM(light), asyncio.Event()
+    timed, stop = _TimedLM(light), asyncio.Event()
     programs = [
         asyncio.create_task(_programs(timed, workload, variant, stop))
         for variant in range(1, args.real_programs + 1)

@@ -27,9 +27,10 @@ import sys
 from typing import Any
 
 from .call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
+from .json_child import JsonChild
 from .load import distinct_prompt
 
-__all__ = ["LoopProcess"]
+__all__ = ["LoopProcess", "main"]
 
 #: A stopped loop's line holds every call's times (~30 bytes a call, ~10,000 calls a window).
 _LINE_LIMIT = 64 << 20
@@ -39,53 +40,28 @@ class LoopProcess:
     """A closed loop of `concurrency` calls of the tenant of `redis_url`, in a child process."""
 
     def __init__(self, model: str, redis_url: str, concurrency: int) -> None:
-        self.argv = [sys.executable, "-m", "lmqueue.bench.loop_process", model, str(concurrency)]
+        argv = [sys.executable, "-m", "lmqueue.bench.loop_process", model, str(concurrency)]
+        self.child = JsonChild(argv, _LINE_LIMIT)
         self.redis_url = redis_url
-        self._proc: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> LoopProcess:
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            limit=_LINE_LIMIT,
-        )  # fmt: skip
-        await self._send(self.redis_url)
-        await self._answer("ready")
+        await self.child.start()
+        await self.child.send(self.redis_url)
+        await self.child.answer("ready")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), 30)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+        await self.child.close()
 
     async def start(self, salt: int) -> None:
         """Start the loop; its calls' prompts are distinct per `salt`."""
-        await self._send(f"start {salt}")
-        await self._answer("started")
+        await self.child.send(f"start {salt}")
+        await self.child.answer("started")
 
     async def stop(self) -> list[tuple[float, float]]:
         """Stop the loop; every call's (finished at, latency) since it started."""
-        await self._send("stop")
-        return [(at, latency) for at, latency in await self._answer("done")]
-
-    async def _send(self, line: str) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(line.encode() + b"\n")
-        await self._proc.stdin.drain()
-
-    async def _answer(self, key: str) -> Any:
-        assert self._proc is not None and self._proc.stdout is not None
-        line = await self._proc.stdout.readline()
-        if not line:
-            code = await self._proc.wait()
-            raise RuntimeError(f"the loop process exited ({code}) before answering {key!r}")
-        return json.loads(line)[key]
+        await self.child.send("stop")
+        return [(at, latency) for at, latency in await self.child.answer("done")]
 
 
 async def _child(model: str, concurrency: int) -> None:

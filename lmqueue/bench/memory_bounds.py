@@ -9,7 +9,7 @@ into bytes:
 * results: ``cache_size`` x one float32 vector (4 x vocabulary);
 * one forward's working set: a batch's padded past with room for the new positions, which the
   model's attention fills in place, in a staging tensor the forward thread keeps between
-  forwards (`padded_batch._past_cache`), so one copy of rows x longest prompt x KV per token,
+  forwards (`pool_cache.past_cache`), so one copy of rows x longest prompt x KV per token,
   plus the spare it was allocated with (`STAGING_GROWTH`) and one layer's margin, plus logits
   and log-softmax of every row;
 * replies in flight: a worker holds up to two batches at once (one computing, one picked
@@ -131,7 +131,7 @@ def derive_bounds(
     cache_maxmemory: int,
 ) -> dict[str, int]:
     """The bytes each process may reach, from the configured limits (see the module doc)."""
-    from lmqueue.workers.backends.padded_batch import STAGING_GROWTH  # torch: not in clients
+    from lmqueue.workers.backends.pool_cache import STAGING_GROWTH  # torch: not in clients
 
     per_token, vector = model["kv_bytes_per_token"], model["vector_bytes"]
     rows = min(workload.particles, _WORKER_BATCH)

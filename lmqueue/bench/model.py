@@ -31,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from lmqueue.shared.lm.vocab import decode_vocab
-from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
 
+from . import devices
 from .anchor_grid import AnchorConfig, add_grid_argument, best, grid
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
 from .workload import Workload, bench_prompt, result_figures
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "main", "one_torch_thread", "run", "run_genlm"]
 
 SIDES = ("genlm", "inprocess", "lmqueue")
 
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout-s", type=float, default=600, help="fail a side that hangs")
     add_grid_argument(parser)
+    devices.add_device_argument(parser)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
 
 
@@ -69,10 +71,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = stack.enter_context(redis_server())
         workers = []
         if "lmqueue" in sides:  # started first: it loads while this process loads its copy
+            env = {"LMQ_DEVICE": args.device} if args.device != "auto" else {}
             spec = dict(model=args.model, backend="hf", redis_url=server.url, tag="model")
-            workers = stack.enter_context(worker_pool(1, **spec))
+            workers = stack.enter_context(worker_pool(1, env=env, **spec))
         tokenizer = load_tokenizer(args.model)
-        model = load_causal_lm(args.model)
+        device = devices.resolve(args.device)
+        model = load_causal_lm(args.model, devices.load_options(device))
+        report.figure("device", device)
         workload = Workload.for_tokenizer(
             tokenizer, decode_vocab(tokenizer)[0], args.prompt_tokens,
             particles=args.particles, steps=args.steps, seed=args.seed,
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             point.label: _genlm_runner(model, tokenizer, point) for point in points
         }
         if "inprocess" in sides:
-            runners["inprocess"] = lambda w: _inprocess(model, tokenizer, w)
+            runners["inprocess"] = lambda w: _inprocess(model, tokenizer, w, device)
         if "lmqueue" in sides:
             runners["lmqueue"] = lambda w: _lmqueue(args.model, server.url, workers, w)
         rounds = [
@@ -144,10 +149,11 @@ def _rounds(
             gc.collect()
             rounds[side].append(figures["calls_per_s"])
             cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())
+            gpu = devices.gpu_text(figures.get("gpu"), figures.get("gpu_in_use_bytes"))
             line = (
                 f"{side:<17} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
                 f"{figures['resamples']} resamples, {figures['elapsed_s']:.1f} s; "
-                f"CPU ms/call: {cpu})"
+                f"CPU ms/call: {cpu}; {gpu})"
             )
             report.figure(f"{side}.round{index}", figures, line=line)
     per_s = {side: statistics.median(values) for side, values in rounds.items()}
@@ -196,25 +202,33 @@ async def run_genlm(
     lm = GenlmTransformer(model, tokenizer, **point.kwargs())
     lm.cache_kv(workload.prompt)
     meter = CpuMeter({"process": [os.getpid()]})
+    devices.reset_torch_peaks()
     meter.start()
     result = await workload.run(lm)
     cpu = meter.stop()
+    peaks = devices.torch_peaks()
     lm.clear_cache()
-    return result_figures(result, cpu)
+    return {**result_figures(result, cpu), "gpu": peaks}
 
 
-async def _inprocess(model: Any, tokenizer: Any, workload: Workload) -> dict[str, Any]:
+async def _inprocess(model: Any, tokenizer: Any, workload: Workload, device: str) -> dict[str, Any]:
+    from lmqueue.workers.backend_loader import backend_options, batching_for_device
     from lmqueue.workers.backends.hf import AsyncTransformer
 
-    # The settings a worker gives its backend (workers.backend_loader with default settings).
-    lm = AsyncTransformer(model, tokenizer, batch_size=32, timeout=0.005, max_batch_tokens=8192)
+    # The settings a worker on this device gives its backend (default settings otherwise).
+    settings = batching_for_device(WorkerSettings(model="bench", device=device))
+    options = backend_options(settings, AsyncTransformer.OPTIONS)
+    options.pop("device", None)  # the model is placed already
+    lm = AsyncTransformer(model, tokenizer, **options)
     async with lm:
         lm.cache_kv(workload.prompt)
         meter = CpuMeter({"process": [os.getpid()]})
+        devices.reset_torch_peaks()
         meter.start()
         result = await workload.run(lm)
         cpu = meter.stop()
-    return result_figures(result, cpu)
+        peaks = devices.torch_peaks()
+    return {**result_figures(result, cpu), "gpu": peaks}
 
 
 async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> dict[str, Any]:
@@ -227,7 +241,8 @@ async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> di
             result = await workload.run(lm)
             cpu = meter.stop()
         stats = lm.stats
-    return {**result_figures(result, cpu), "client_stats": stats}
+    used = devices.gpu_used_bytes(w.pid for w in workers)
+    return {**result_figures(result, cpu), "client_stats": stats, "gpu_in_use_bytes": used}
 
 
 @contextlib.contextmanager

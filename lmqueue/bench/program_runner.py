@@ -5,7 +5,7 @@ side needs (genlm: a full model copy in this process; lmqueue: a `QueueLM` clien
 worker at ``--redis-url``), prints ``ready``, waits for a line on stdin, runs the workload of
 `lmqueue.bench.workload` on its own prompt variant, and prints one JSON line: its calls, the
 seconds they took and the process's peak RSS (VmHWM, loading included: the memory the program
-really holds).
+really holds) and, on a GPU, its peak GPU memory (`devices.torch_peaks`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import devices
 from .memory_bounds import vm_hwm
 from .workload import Workload, bench_prompt
 
@@ -35,7 +36,8 @@ async def _genlm(args: argparse.Namespace) -> dict[str, Any]:
 
     tokenizer = load_tokenizer(args.model)
     knobs = {"batch_size": args.batch_size, "timeout": args.timeout}
-    lm = GenlmTransformer(load_causal_lm(args.model), tokenizer, **{
+    model = load_causal_lm(args.model, devices.load_options(args.device))
+    lm = GenlmTransformer(model, tokenizer, **{
         k: v for k, v in knobs.items() if v is not None
     })  # fmt: skip
     workload = _workload(args, tokenizer, decode_vocab(tokenizer)[0])
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--adapter", default=None, help="lmqueue side: a LoRA adapter's name")
+    devices.add_device_argument(parser)
     parser.add_argument("--batch-size", type=int, help="genlm's batch_size (its default)")
     parser.add_argument("--timeout", type=float, help="genlm's timeout (its default)")
     args = parser.parse_args(argv)
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     run = _genlm if args.side == "genlm" else _lmqueue
     figures = asyncio.run(run(args))
     figures["peak_rss_bytes"] = vm_hwm(os.getpid())
+    figures["gpu"] = devices.torch_peaks()
+    figures["gpu_in_use_bytes"] = devices.gpu_used_bytes([os.getpid()])
     figures["imported"] = sorted(m for m in ("torch", "transformers") if m in sys.modules)
     print(json.dumps(figures), flush=True)
     return 0

@@ -14,7 +14,9 @@ process. For K = 1, 2, 4, in one run, both ways:
 Every program runs the workload of `workload.Workload` on its own ~100-token prompt variant
 (no shared prefix) with its own seed. All K processes load first, then start together; the
 aggregate rate is all programs' calls over the time until the last one finished. Memory is the
-sum of every process's peak RSS (VmHWM, loading included), the worker's among them.
+sum of every process's peak RSS (VmHWM, loading included), the worker's among them; on a GPU
+also the GPU memory the driver reports in use by each side's processes (`devices`), which is
+what K model copies cost there (RSS then holds little of it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import devices
 from .anchor_grid import AnchorConfig, add_grid_argument, best, grid
 from .memory_bounds import vm_hwm
 from .program_runner import run_together
@@ -48,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=900, help="fail a round that hangs")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     add_grid_argument(parser)
+    devices.add_device_argument(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(redis_server())
         spec = dict(model=args.model, backend="hf", redis_url=server.url, tag="programs")
-        workers = stack.enter_context(worker_pool(1, **spec))
+        env = {"LMQ_DEVICE": args.device} if args.device != "auto" else {}
+        workers = stack.enter_context(worker_pool(1, env=env, **spec))
         asyncio.run(wait_for_workers(server.url, args.model, workers))
         points = grid(args.particles, args.anchor_grid)
         report.figure("anchor_grid", [p.label for p in points],
@@ -91,6 +96,7 @@ def _both_sides(
     report.figure(f"k{k}.genlm", genlm, line=f"K={k} genlm's best point: {top.label}")
     lmq = _round(args, "lmqueue", k, first, redis_url)
     lmq["peak_rss_bytes"] += vm_hwm(worker_pid) or 0
+    lmq["gpu_in_use_bytes"] = devices.gpu_used_bytes([worker_pid])
     report.figure(f"k{k}.lmqueue", lmq, line=_line(k, "lmqueue", lmq))
     return {"genlm": genlm, "lmqueue": lmq}
 
@@ -110,6 +116,7 @@ def _round(
         args.model, "--particles", str(args.particles), "--steps", str(args.steps),
         "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.seed),
         "--torch-threads", str(threads), *(["--redis-url", redis_url] if redis_url else []),
+        "--device", args.device,
         *(["--batch-size", str(point.batch_size), "--timeout", str(point.timeout_s)]
           if point else []),
     ]  # fmt: skip
@@ -122,16 +129,25 @@ def _round(
         "wall_s": round(wall_s, 2),
         "calls_per_s": round(calls / wall_s, 2),
         "peak_rss_bytes": sum(r["peak_rss_bytes"] or 0 for r in results),
+        "gpu_in_use_bytes": _summed(r.get("gpu_in_use_bytes") for r in results),
         "torch_threads_per_program": threads,
         "per_program": results,
     }
 
 
+def _summed(values: Any) -> int | None:
+    """The sum of the values that are known; None if none is (no GPU)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def _line(k: int, side: str, f: dict[str, Any]) -> str:
     mib = f["peak_rss_bytes"] / 2**20
+    gpu = f.get("gpu_in_use_bytes")
     return (
         f"K={k} {side:<8} {f['calls_per_s']:7.2f} calls/s aggregate ({f['calls']} calls in "
         f"{f['wall_s']:.1f} s), peak RSS summed {mib:8.1f} MiB"
+        + (f", GPU in use summed {gpu / 2**20:8.1f} MiB" if gpu is not None else "")
     )
 
 
@@ -141,8 +157,16 @@ def _ratios(figures: dict[int, dict[str, dict[str, Any]]]) -> tuple[dict[str, fl
         genlm, lmq = sides["genlm"], sides["lmqueue"]
         ratios[f"k{k}_calls_per_s"] = round(lmq["calls_per_s"] / genlm["calls_per_s"], 3)
         ratios[f"k{k}_memory"] = round(lmq["peak_rss_bytes"] / genlm["peak_rss_bytes"], 3)
+        if lmq.get("gpu_in_use_bytes") and genlm.get("gpu_in_use_bytes"):
+            gpu = lmq["gpu_in_use_bytes"] / genlm["gpu_in_use_bytes"]
+            ratios[f"k{k}_gpu_memory"] = round(gpu, 3)
     shown = ", ".join(
         f"K={k}: {ratios[f'k{k}_calls_per_s']:.2f}x calls/s, {ratios[f'k{k}_memory']:.2f}x memory"
+        + (
+            f" ({ratios[f'k{k}_gpu_memory']:.2f}x GPU memory)"
+            if f"k{k}_gpu_memory" in ratios
+            else ""
+        )
         for k in figures
     )
     summary = (
@@ -150,6 +174,14 @@ def _ratios(figures: dict[int, dict[str, dict[str, Any]]]) -> tuple[dict[str, fl
         "[target at K=4: calls/s >= 1.5x, memory <= 0.5x]"
     )
     return ratios, summary
+
+
+def _shown(k: int, ratios: dict[str, float]) -> str:
+    text = (
+        f"K={k}: {ratios[f'k{k}_calls_per_s']:.2f}x calls/s, {ratios[f'k{k}_memory']:.2f}x memory"
+    )
+    gpu = ratios.get(f"k{k}_gpu_memory")
+    return text + (f" ({gpu:.2f}x GPU memory)" if gpu is not None else "")
 
 
 def main(argv: list[str] | None = None) -> int:

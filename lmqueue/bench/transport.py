@@ -6,7 +6,10 @@ dtype runs three configurations, interleaved, in one run:
 
 * ``probe``: redis-py alone moving the same payloads in the same process layout (`probe`);
 * ``defaults``: lmqueue as shipped, worker writing every result to a separate LRU cache
-  instance and the client looking there first (the recommended two-instance layout);
+  instance and the client looking there first (the recommended two-instance layout); fresh
+  results travel as claim-checks (the cache key; the client fetches the vector there);
+* ``inline``: the same workers and cache, the client asking for no claim-checks, so each
+  fresh result travels inline besides its cache entry (what claim-checks save or cost);
 * ``no_cache``: cache writes off (``LMQ_CACHE_WRITES=0``) and ``use_shared_cache=False``.
 
 ``--no-resp-pipe`` makes the clients of this process receive replies and claim-checks through
@@ -42,8 +45,9 @@ from .stack import (
     wait_for_workers,
     worker_pool,
 )
+from .transport_scale import add_scale_arguments, run_scale, scale_summary
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "add_load_arguments", "main", "record_window", "run"]
 
 #: Bytes per value of each wire dtype.
 WIRE_BYTES = {"float32": 4, "float16": 2}
@@ -62,6 +66,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     add_load_arguments(parser)
+    add_scale_arguments(parser)
     parser.add_argument("--cache-maxmemory", default="256mb", help="of the defaults' cache Redis")
     parser.add_argument(
         "--resp-pipe",
@@ -75,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/transport.json``."""
     report = Report("transport", {k: str(v) for k, v in vars(args).items()})
+    if args.clients or args.workers:
+        figures = asyncio.run(run_scale(args, report))
+        return report.finish(figures, scale_summary(figures), args.out_dir)
     with contextlib.ExitStack() as stack:
         if not args.resp_pipe:
             stack.enter_context(_without_resp_pipe())
@@ -82,7 +90,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = []
     for dtype in _dtypes(args):
         defaults, no_cache = ratios[f"{dtype}.defaults"], ratios[f"{dtype}.no_cache"]
-        parts.append(f"{dtype} {defaults:.2f}x (defaults) {no_cache:.2f}x (cache writes off)")
+        inline = ratios[f"{dtype}.inline"]
+        parts.append(f"{dtype} {defaults:.2f}x (defaults) {inline:.2f}x (inline) "
+                     f"{no_cache:.2f}x (cache writes off)")  # fmt: skip
     headline = {k: v for k, v in ratios.items() if not k.endswith(".cpu")}
     pipe = "" if args.resp_pipe else " (RespPipe off: redis-py)"
     summary = f"transport ratio lmqueue/raw-probe{pipe}: " + "; ".join(parts) + "  [target >= 0.9x]"
@@ -123,11 +133,13 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
         )
         defaults = ClientSettings(redis=RedisSettings(url=queue_a.url, cache_url=cache_a.url))
         no_cache = ClientSettings(redis=RedisSettings(url=queue_b.url), use_shared_cache=False)
-        configs = {
-            "defaults": (workers_a, [server_pid(queue_a), server_pid(cache_a)], defaults),
-            "no_cache": (workers_b, [server_pid(queue_b)], no_cache),
+        pids_a = [server_pid(queue_a), server_pid(cache_a)]
+        configs = {  # workers, Redis pids, client settings, whether it asks for claim-checks
+            "defaults": (workers_a, pids_a, defaults, True),
+            "inline": (workers_a, pids_a, defaults, False),
+            "no_cache": (workers_b, [server_pid(queue_b)], no_cache, True),
         }
-        for workers, _, settings in configs.values():
+        for workers, _, settings, _ in configs.values():
             await wait_for_workers(settings.redis.url, args.model, workers)
         size = await _vector_size(args.model, configs["no_cache"][2], workers_b)
         report.figure("vector_size", size)
@@ -138,10 +150,13 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 args.concurrency, args.warmup_s, args.measure_s,
             )  # fmt: skip
             probe = record_window(report, f"{dtype}.probe", window, size * WIRE_BYTES[dtype])
-            for offset, (name, (workers, redis_pids, settings)) in enumerate(configs.items()):
+            for offset, (name, config) in enumerate(configs.items()):
+                workers, redis_pids, settings, claims = config
                 pids = {"client": [os.getpid()], "worker": [w.pid for w in workers]}
                 meter = CpuMeter({**pids, "redis": redis_pids})
                 lm = await connect_client(args.model, replace(settings, wire_dtype=dtype), workers)
+                if not claims:
+                    lm.channel.claims.disable()
                 async with lm:
                     window = await _measure(lm, 1000 * salt + offset, args, meter)
                     report.figure(

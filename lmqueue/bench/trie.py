@@ -121,7 +121,7 @@ def _compare(
         "genlm parallel": partial(getattr(tries.genlm_par, method), tp),
     }
     timings = _time_round_robin(contenders, repeats, warmup, torch)
-    expected = direct_masses(tries.ours.layout, p, op)
+    expected = _direct_masses(tries.ours.layout, p, op)
     mine = contenders["lmqueue parallel"]()
     ours_nodes, genlm_nodes = tries.ours_nodes, tries.genlm_nodes
     diffs = {
@@ -146,10 +146,10 @@ def _log_space_max(tries: _Tries, lp: np.ndarray) -> tuple[float, int]:
     mine = tries.ours.batch_weight_max(lp)
     clamped = tries.genlm_seq.batch_weight_max(lp)[:, tries.genlm_nodes]
     wrong = int((~np.isclose(clamped, mine[:, tries.ours_nodes])).sum())
-    return _rel_diff(mine, direct_masses(tries.ours.layout, lp, "max")), wrong
+    return _rel_diff(mine, _direct_masses(tries.ours.layout, lp, "max")), wrong
 
 
-def direct_masses(layout: TrieLayout, weights: np.ndarray, op: str) -> np.ndarray:
+def _direct_masses(layout: TrieLayout, weights: np.ndarray, op: str) -> np.ndarray:
     """Float64 masses straight from each node's tokens (one run of the byte-sorted vocabulary).
 
     One ``reduceat`` over ``[lo, hi)`` boundaries of every node, sorted by ``lo``; the segments

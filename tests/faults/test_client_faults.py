@@ -145,6 +145,6 @@ async def test_callers_past_max_inflight_wait_for_a_slot_within_their_deadline(
         )
         elapsed_s = time.monotonic() - started
         assert lm.stats["sent"] <= 5 and len(lm.channel.inflight) == 0
-        assert lm.channel.slots._value == 2  # every slot came back
+        assert lm.channel.permits.free == 2  # every permit came back
     assert all(isinstance(outcome, DeadlineExceeded) for outcome in outcomes)
     assert elapsed_s < 0.5 + 0.5  # the waiters' deadlines ran while they waited

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from lmqueue.shared.errors import DeadLettered, ModelError
-from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes, payload_bytes
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.processor import BatchProcessor
 from lmqueue.workers.request_stream import Entry
@@ -113,5 +114,6 @@ def _entry(client: str, n: int, tokens: list[int]) -> Entry:
     return Entry(f"1-{n}", _as_read(encode_request(request)))
 
 
-def _as_read(fields: dict[str, bytes]) -> dict[bytes, bytes]:
-    return {key.encode(): value for key, value in fields.items()}
+def _as_read(fields: dict[str, Any]) -> dict[bytes, Any]:
+    """Reply fields as a client reads them (deferred payloads made into bytes, as written)."""
+    return {key.encode(): payload_bytes(value) for key, value in fields.items()}

@@ -8,19 +8,21 @@ imports without them.
 from typing import Any
 
 from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.settings import BACKENDS
 
-from .hf import AsyncTransformer
-from .mock import MockAsyncLM
+from .hf import AsyncTransformer as AsyncTransformer
+from .mock import MockAsyncLM as MockAsyncLM
 
-__all__ = ["AsyncLM", "AsyncTransformer", "MockAsyncLM", "AsyncVirtualLM", "AsyncSGLTransformer"]
-
-#: Backends whose modules load on first access (their engines load only in `from_name`).
-_LAZY = {"AsyncVirtualLM": ".vllm", "AsyncSGLTransformer": ".sgl"}
+#: The interface and every backend class of `BACKENDS` (the one list of backends).
+__all__ = ["AsyncLM", *(target.split(":")[1] for target in BACKENDS.values())]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    """The backends not imported above (vLLM's, SGLang's), on first access, by class name."""
+    for target in BACKENDS.values():
+        module, attribute = target.split(":")
+        if attribute == name:
+            import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+            return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

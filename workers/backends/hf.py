@@ -1,6 +1,6 @@
 """`AsyncTransformer`: a HuggingFace causal LM behind `AsyncLM`, batched, reusing KV along prefixes.
 
-Concurrent `next_token_logprobs` calls wait up to ``timeout`` seconds for stragglers (or until
+Concurrent `next_token_logprobs` calls wait up to ``max_wait_s`` seconds for stragglers (or until
 ``batch_size`` are queued), then run as one padded forward of at most ``batch_size`` rows and
 ``max_batch_tokens`` padded new tokens; identical prompts in flight share one row. Every result
 and the KV of every computed position go into a `PrefixCache`, so any prompt extending a stored
@@ -12,11 +12,10 @@ more, so the event loop keeps serving meanwhile; queries arriving during a forwa
 next one. Several forwards at once, each on its own thread with ``forward_threads`` torch
 threads, are for CPUs: a small model's forward keeps two cores only ~70% busy as one OpenMP
 team (many small ops, each a barrier), while two single-threaded forwards keep both busy
-(SmolLM2-135M, 32 rows: one forward on 2 threads ~170 ms, two on 1 thread each ~250 ms, so
-twice the rows in 1.5x the time; BENCHMARKS.md 10). The trie and the futures are touched only
-on the loop thread, and a forward gets plain tensors, so an eviction meanwhile cannot pull a
-past from under it. An adapter is loaded or unloaded only while no forward runs
-(`ForwardGate`). The padded layout, the mask and out-of-memory splitting live
+(twice the rows in about 1.5x the time: BENCHMARKS.md, "10. adapters"). The trie and the
+futures are touched only on the loop thread, and a forward gets plain tensors, so an eviction
+meanwhile cannot pull a past from under it. An adapter is loaded or unloaded only while no
+forward runs (`ModelChangeLock`). The padded layout, the mask and out-of-memory splitting live
 in `padded_batch`; the trie, its KV segments and their eviction in `prefix_cache`.
 
 LoRA adapters (`load_adapter`) are served by `BatchedLora`: each targeted Linear layer adds
@@ -31,6 +30,7 @@ prefix cache, whose tries are per adapter (an adapter changes the KV as well as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from lmqueue.shared.errors import Cancelled
-from lmqueue.shared.lm.interface import AsyncLM
+from lmqueue.shared.lm.interface import AsyncLM, BackendCounters
 from lmqueue.shared.lm.validation import check_loaded_adapter
 from lmqueue.shared.settings import (
     DEFAULT_BATCH_SIZE,
@@ -51,11 +51,14 @@ from lmqueue.shared.settings import (
     DEFAULT_MAX_WAIT_MS,
 )
 
-from .forward_gate import ForwardGate
+from .decode_graphs import DecodeGraphs
+from .kv_pool import KvPool, kv_layout
 from .lora_batch import BatchedLora
+from .model_change_lock import ModelChangeLock
 from .options import check_options
 from .padded_batch import (
     ForwardStats,
+    KvLayoutMismatch,
     Output,
     Row,
     forward_options,
@@ -63,7 +66,7 @@ from .padded_batch import (
     plain_forward,
     run_rows,
 )
-from .prefix_cache import PrefixCache
+from .prefix_cache import Past, PrefixCache
 
 __all__ = ["AsyncTransformer", "ForwardStats"]
 
@@ -105,6 +108,22 @@ def _revision(base: str, hf_opts: dict[str, Any] | None, bnb_opts: dict[str, Any
     return f"{base}+{hashlib.blake2b(options.encode(), digest_size=6).hexdigest()}"
 
 
+def _kv_pool(model: Any, max_kv_tokens: int, memory_fraction: float) -> KvPool | None:
+    """The pool of `max_kv_tokens` slots for `model`'s KV (on a GPU, or `memory_fraction` of
+    the device memory free now); None if KV is not kept or the model's layout is unknown."""
+    layout = kv_layout(model)
+    if layout is None or (max_kv_tokens <= 0 and memory_fraction <= 0):
+        return None
+    weights = model.get_input_embeddings().weight
+    pool_dtype = weights.dtype if weights.is_floating_point() else model.dtype
+    capacity = max_kv_tokens
+    if memory_fraction > 0 and weights.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(weights.device)
+        slot = 2 * layout[0] * layout[1] * layout[2] * torch.finfo(pool_dtype).bits // 8
+        capacity = int(free * memory_fraction) // slot
+    return KvPool(capacity, layout, pool_dtype, weights.device) if capacity > 0 else None
+
+
 class AsyncTransformer(AsyncLM):
     """A HuggingFace causal LM with auto-batching, a result cache and automatic KV reuse.
 
@@ -112,21 +131,27 @@ class AsyncTransformer(AsyncLM):
         model: a HuggingFace causal LM on one device (put in eval mode here).
         tokenizer: its tokenizer.
         batch_size: most queries in one forward; a full queue starts a forward at once.
-        timeout: seconds the oldest queued query waits for others before its forward starts.
+        max_wait_s: seconds the oldest queued query waits for others before its forward starts
+            (``timeout``, genlm-backend's name for it, is accepted as an alias).
         max_batch_tokens: most padded new tokens (rows x longest new run) in one forward; a
             single longer query still runs, alone.
         max_kv_tokens: most token positions of KV kept for reuse, 0 disables reuse (SmolLM2-135M
-            in float32 takes 46 KB a position).
+            in float32 takes 46 KB a position): the size of the `KvPool`, allocated at start.
+        kv_memory_fraction: on a GPU, size the pool to this fraction of the device memory
+            free at start instead (0: use `max_kv_tokens`).
         cache_size: most log-probability vectors kept (``4 * vector_size`` bytes each).
         revision: names the weights, for shared caches (`from_name` fills it in).
         forward_threads: torch intra-op threads of the forward thread (0: as many as the
             constructing thread has). A worker gives every thread but this one a single
             thread (`backend_loader`): with OpenMP, each thread that runs a parallel op keeps a
             team of its own, and past one team per core libgomp stops spinning between ops;
-            a forward on its own thread took 1.4x longer with 2 threads than on the thread
-            that loaded the model (SmolLM2-135M, 32 rows; BENCHMARKS.md 10).
+            a forward on its own thread ran markedly slower with 2 threads than on the thread
+            that loaded the model (BENCHMARKS.md, "10. adapters").
         parallel_forwards: forwards that may run at once, each on a thread of its own with
             `forward_threads` torch threads (see the module docstring); 1 on a GPU.
+        graph_positions: on a GPU, decode forwards of base-model rows replay CUDA graphs
+            captured per batch shape (`DecodeGraphs`) when rows x padded past is at most
+            this; 0 runs every forward eagerly. Off with ``parallel_forwards`` above 1.
     """
 
     backend_name = "hf"
@@ -137,23 +162,30 @@ class AsyncTransformer(AsyncLM):
         tokenizer: Any,
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
-        timeout: float = DEFAULT_MAX_WAIT_MS / 1000,
+        max_wait_s: float = DEFAULT_MAX_WAIT_MS / 1000,
+        timeout: float | None = None,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_kv_tokens: int = 16_384,
+        kv_memory_fraction: float = 0.0,
         cache_size: int = 1024,
         revision: str = "unknown",
         forward_threads: int = 0,
         parallel_forwards: int = 1,
+        graph_positions: int = 32_768,
         **vocab: Any,
     ) -> None:
-        if batch_size < 1 or max_batch_tokens < 1 or timeout < 0:
-            raise ValueError(f"bad batching limits: {batch_size=} {max_batch_tokens=} {timeout=}")
+        if timeout is not None:  # genlm-backend's name
+            max_wait_s = timeout
+        if batch_size < 1 or max_batch_tokens < 1 or max_wait_s < 0:
+            raise ValueError(
+                f"bad batching limits: {batch_size=} {max_batch_tokens=} {max_wait_s=}"
+            )
         if parallel_forwards < 1:
             raise ValueError(f"parallel_forwards={parallel_forwards}: at least one")
         super().__init__(tokenizer, **vocab)
         self.model = model.eval()
         self.batch_size = batch_size
-        self.timeout = timeout
+        self.max_wait_s = max_wait_s
         self.max_batch_tokens = max_batch_tokens
         self.stats = ForwardStats()
         #: Calls answered from the prefix cache's stored results, and calls that were not.
@@ -161,12 +193,18 @@ class AsyncTransformer(AsyncLM):
         self.result_misses = 0
         self._revision = revision
         self._config = model.config.get_text_config()
-        self._cache = PrefixCache(max_kv_tokens, cache_size)
-        self._keep_kv = max_kv_tokens > 0
+        self._cache = PrefixCache(cache_size, _kv_pool(model, max_kv_tokens, kv_memory_fraction))
+        self._kv_unfit = False  # set by a forward thread, acted on by the loop thread
+        pool = self._cache.pool
+        self._graphs = (
+            DecodeGraphs(model, pool, forward_options(model), graph_positions)
+            if pool is not None and parallel_forwards == 1
+            else None
+        )
         self._forward_kwargs = forward_options(model)
         self.forward_threads = forward_threads or torch.get_num_threads()
         self.parallel_forwards = parallel_forwards
-        self._gate = ForwardGate()
+        self._gate = ModelChangeLock()
         self._executor = ThreadPoolExecutor(
             max_workers=parallel_forwards, thread_name_prefix="lmq-hf-forward",
             initializer=torch.set_num_threads, initargs=(self.forward_threads,),
@@ -181,8 +219,9 @@ class AsyncTransformer(AsyncLM):
 
     #: lmqueue's own options of `from_name` (besides engine_opts); see workers.backends.options.
     OPTIONS = frozenset(
-        {"batch_size", "timeout", "max_batch_tokens", "max_kv_tokens", "cache_size", "revision",
-         "device", "bitsandbytes_opts", "forward_threads", "parallel_forwards"}
+        {"batch_size", "max_wait_s", "timeout", "max_batch_tokens", "max_kv_tokens",
+         "kv_memory_fraction", "cache_size", "revision", "device", "bitsandbytes_opts",
+         "forward_threads", "parallel_forwards", "graph_positions"}
     )  # fmt: skip
 
     @classmethod
@@ -259,6 +298,19 @@ class AsyncTransformer(AsyncLM):
         await loop.run_in_executor(self._executor, self._alone, self._lora.unload, name)
         self._cache.drop_adapter(name)
 
+    def counters(self) -> BackendCounters:
+        """Positions computed and reused, result-cache hits, KV positions and bytes held."""
+        cache = self._cache
+        return BackendCounters(
+            computed_tokens=self.stats.new_tokens,
+            reused_tokens=self.stats.reused_tokens,
+            result_hits=self.result_hits,
+            result_misses=self.result_misses,
+            kv_tokens=cache.kv_tokens,
+            max_kv_tokens=cache.max_kv_tokens,
+            kv_bytes=cache.kv_bytes(),
+        )
+
     @property
     def cache(self) -> PrefixCache:
         """The trie of results and KV segments (read-only use: sizes, for tests and metrics)."""
@@ -284,6 +336,40 @@ class AsyncTransformer(AsyncLM):
         # Shielded: a caller that cancels must not cancel the future other callers share.
         return await asyncio.shield(self._enqueue((lora_name, tokens)))
 
+    async def logprobs_batch(
+        self, prompts: Sequence[tuple[str | None, Sequence[int]]]
+    ) -> list[torch.Tensor | BaseException]:
+        """Each prompt's log-probabilities (or error), computed now: its rows go into the next
+        forward without waiting for others (``max_wait_s`` is for single calls). Calls made in the
+        same turn of the event loop share that forward. Prompts are not validated again.
+        """
+        if self._closed:
+            raise Cancelled("the backend is closed")
+        results: list[Any] = [None] * len(prompts)
+        waiting: list[tuple[int, asyncio.Future[torch.Tensor]]] = []
+        for index, (adapter, token_ids) in enumerate(prompts):
+            tokens = tuple(token_ids)
+            if adapter is not None and adapter not in self.adapter_names:
+                try:
+                    check_loaded_adapter(adapter, self.adapter_names)
+                except Exception as exc:  # the typed error of an unknown adapter
+                    results[index] = exc
+                continue
+            cached = self._cache.get(tokens, adapter)
+            if cached is not None:
+                self.result_hits += 1
+                results[index] = cached
+                continue
+            self.result_misses += 1
+            waiting.append((index, self._enqueue((adapter, tokens), urgent=True)))
+        if waiting:
+            outputs = await asyncio.shield(
+                asyncio.gather(*(future for _, future in waiting), return_exceptions=True)
+            )
+            for (index, _), output in zip(waiting, outputs, strict=True):
+                results[index] = output
+        return results
+
     def reset_async_queries(self) -> None:
         """Fail every queued query with `Cancelled` (those in a running forward still finish).
 
@@ -304,13 +390,15 @@ class AsyncTransformer(AsyncLM):
             await asyncio.wait(self._forwards)
         self._executor.shutdown(wait=True)
 
-    def _enqueue(self, key: _Key) -> asyncio.Future[torch.Tensor]:
-        """The future of `key`, shared with an identical query queued or running."""
+    def _enqueue(self, key: _Key, urgent: bool = False) -> asyncio.Future[torch.Tensor]:
+        """The future of `key`, shared with an identical query queued or running. An `urgent`
+        query is queued as if its wait were over: the next forward starts without a timer."""
         future = self._inflight.get(key)
         if future is None:
             loop = asyncio.get_running_loop()
             future = self._inflight[key] = loop.create_future()
-            self._pending[key] = _Query(key, future, loop.time())
+            arrived = loop.time() - (self.max_wait_s if urgent else 0.0)
+            self._pending[key] = _Query(key, future, arrived)
         elif key in self._pending:
             self._pending[key].callers += 1
         else:
@@ -348,7 +436,7 @@ class AsyncTransformer(AsyncLM):
             self._timer = None
 
     def _deadline(self) -> float:
-        return next(iter(self._pending.values())).arrived_at + self.timeout
+        return next(iter(self._pending.values())).arrived_at + self.max_wait_s
 
     def _batch_ready(self, loop: asyncio.AbstractEventLoop) -> bool:
         return self._queued_callers >= self.batch_size or loop.time() >= self._deadline()
@@ -357,8 +445,9 @@ class AsyncTransformer(AsyncLM):
         """Take a batch and compute it. Taken in the task, not when it is created: calls made
         in the same turn of the loop as the one that filled the queue still join it."""
         batch = self._take_batch()
-        self._schedule()  # another forward may start beside this one
-        await self._run_batch(batch)
+        with self._pool_ticket():  # from here on, evicted slots may still be this batch's pasts
+            self._schedule()  # another forward may start beside this one
+            await self._run_batch(batch)
 
     def _forward_done(self, task: asyncio.Task[None]) -> None:
         self._forwards.discard(task)
@@ -368,8 +457,10 @@ class AsyncTransformer(AsyncLM):
             self._schedule()
 
     def _take_batch(self) -> list[tuple[_Query, Row]]:
-        """Dequeue the oldest queries that fit the limits, each with its stored past."""
+        """Dequeue the oldest queries that fit the limits, each with its stored past and the
+        pool slots its new positions go to (reserved now, never evicting this batch's pasts)."""
         taken: list[tuple[_Query, Row]] = []
+        pinned: set[Any] = set()
         width = 0
         for key in list(self._pending):
             if len(taken) == self.batch_size:
@@ -379,52 +470,86 @@ class AsyncTransformer(AsyncLM):
             if cached is not None:  # computed by a synchronous call meanwhile
                 self._finish(self._dequeue(key), cached)
                 continue
-            row = self._row(tokens, len(tokens) - 1, adapter)
-            new_width = max(width, len(row.new_tokens))
+            past = self._past(tokens, adapter)
+            new_width = max(width, len(tokens) - past.length)
             if taken and new_width * (len(taken) + 1) > self.max_batch_tokens:
                 continue
-            taken.append((self._dequeue(key), row))
+            taken.append((self._dequeue(key), self._row(tokens, past, adapter, pinned)))
             width = new_width
         return taken
 
-    def _row(self, tokens: tuple[int, ...], kv_limit: int, adapter: str | None = None) -> Row:
-        """A forward row for `tokens` under `adapter`: the stored past of that adapter (at most
-        `kv_limit` long) and the rest."""
-        past, past_len = (
-            self._cache.kv_prefix(tokens, kv_limit, adapter) if self._keep_kv else ([], 0)
-        )
-        return Row(past, past_len, tokens[past_len:], adapter)
+    def _past(self, tokens: tuple[int, ...], adapter: str | None) -> Past:
+        """The stored past of `tokens` under `adapter`, leaving at least one token to run."""
+        return self._cache.past(tokens, len(tokens) - 1, adapter)
+
+    def _row(
+        self, tokens: tuple[int, ...], past: Past, adapter: str | None, pinned: set[Any]
+    ) -> Row:
+        """A forward row for `tokens` after `past`, with slots reserved for its new KV."""
+        if past.node is not None:
+            pinned.add(past.node)
+        new = tokens[past.length :]
+        return Row(past.slots, new, adapter, self._cache.reserve(len(new), pinned))
+
+    @contextlib.contextmanager
+    def _pool_ticket(self) -> Any:
+        """While a taken batch waits and runs: slots freed meanwhile are not handed out again
+        (its pasts were protected while it was taken by pinning them, `reserve`)."""
+        pool = self._cache.pool
+        ticket = pool.begin() if pool is not None else 0
+        try:
+            yield
+        finally:
+            if pool is not None:
+                pool.end(ticket)
 
     async def _run_batch(self, batch: list[tuple[_Query, Row]]) -> None:
         """Compute `batch` on the forward thread; resolve every future on every path."""
         if not batch:
             return
+        rows = [row for _, row in batch]
         loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(
-                self._executor, self._compute, [row for _, row in batch]
-            )
+            outputs = await loop.run_in_executor(self._executor, self._compute, rows)
         except asyncio.CancelledError:
-            for query, _ in batch:
+            for query, row in batch:
+                self._cache.release(row.dest)
                 self._fail(query, Cancelled("the backend closed during the forward pass"))
             raise
         except Exception as exc:  # the forward thread is gone; `run_rows` catches the rest
             logger.error("a forward of %d rows could not run", len(batch), exc_info=exc)
-            for query, _ in batch:
+            for query, row in batch:
+                self._cache.release(row.dest)
                 self._fail(query, model_error(exc))
             return
+        self._drop_unfit_pool()
         for (query, row), output in zip(batch, outputs, strict=True):
+            self._store(query.tokens, query.adapter, row, output)
             if isinstance(output, BaseException):
                 self._fail(query, model_error(output))
-                continue
-            try:
-                if query.adapter is None or query.adapter in self.adapter_names:
-                    self._cache.insert(
-                        query.tokens, output[0], row.past_len, output[1], query.adapter
-                    )
-            except Exception:  # a bookkeeping fault must not strand the caller
-                logger.exception("storing a result in the prefix cache failed")
-            self._finish(query, output[0])
+            else:
+                self._finish(query, output)
+
+    def _drop_unfit_pool(self) -> None:
+        """Run without KV reuse from now on if a forward found the model's KV layout unfit."""
+        if self._kv_unfit and self._cache.pool is not None:
+            self._cache.drop_pool()
+
+    def _store(
+        self, tokens: tuple[int, ...], adapter: str | None, row: Row, output: Output
+    ) -> None:
+        """Keep a row's result and new KV in the prefix cache (or give its slots back)."""
+        if self._cache.pool is None:  # dropped after this forward: the KV layout did not fit
+            row = Row(row.past, row.new_tokens, adapter)
+        if isinstance(output, BaseException) or not (
+            adapter is None or adapter in self.adapter_names
+        ):
+            self._cache.release(row.dest)
+            return
+        try:
+            self._cache.insert(tokens, output, row.past_len, row.dest, adapter)
+        except Exception:  # a bookkeeping fault must not strand the caller
+            logger.exception("storing a result in the prefix cache failed")
 
     def _finish(self, query: _Query, logprobs: torch.Tensor) -> None:
         self._inflight.pop(query.key, None)
@@ -458,7 +583,9 @@ class AsyncTransformer(AsyncLM):
     def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
         """Compute and keep the KV of `prompt_tokens` (subject to ``max_kv_tokens``)."""
         tokens = self._checked(prompt_tokens)
-        if self._keep_kv and self._cache.kv_prefix(tokens, len(tokens))[1] < len(tokens):
+        if self._cache.pool is not None and self._cache.past(tokens, len(tokens)).length < len(
+            tokens
+        ):
             self._compute_now(tokens)
 
     def clear_cache(self) -> None:
@@ -471,12 +598,18 @@ class AsyncTransformer(AsyncLM):
 
     def _compute_now(self, tokens: tuple[int, ...], adapter: str | None = None) -> torch.Tensor:
         """Compute `tokens` alone on the forward thread, reusing and storing KV and result."""
-        row = self._row(tokens, len(tokens) - 1, adapter)
-        (output,) = self._submit(self._compute, [row])
+        row = self._row(tokens, self._past(tokens, adapter), adapter, set())
+        with self._pool_ticket():
+            try:
+                (output,) = self._submit(self._compute, [row])
+            except BaseException:
+                self._cache.release(row.dest)
+                raise
+            self._drop_unfit_pool()
+            self._store(tokens, adapter, row, output)
         if isinstance(output, BaseException):
             raise model_error(output) from output
-        self._cache.insert(tokens, output[0], row.past_len, output[1], adapter)
-        return output[0]
+        return output
 
     def _checked(self, token_ids: Any, lora_name: str | None = None) -> tuple[int, ...]:
         if self._closed:
@@ -484,26 +617,43 @@ class AsyncTransformer(AsyncLM):
         check_loaded_adapter(lora_name, self.adapter_names)
         return tuple(self.check_prompt(token_ids))
 
+    def run_on_forward_thread(self, fn: Any) -> Any:
+        """Run `fn()` on a forward thread and return its result (for benchmarks and tests: a
+        torch dispatch mode or profiler counts only what its own thread runs)."""
+        return self._submit(fn)
+
     def _submit(self, fn: Any, *args: Any) -> Any:
         """Run `fn` on a forward thread and wait."""
         return self._executor.submit(fn, *args).result()
 
     # -- the forward threads ---------------------------------------------------------------------
     def _alone(self, change: Any, *args: Any) -> None:
-        """Change the model (`change(*args)`) while no forward runs."""
+        """Change the model (`change(*args)`) while no forward runs; captured graphs of the
+        model as it was are dropped."""
         with self._gate.change():
             change(*args)
+            if self._graphs is not None:
+                self._graphs.forget()
 
     @torch.no_grad()
     def _compute(self, rows: list[Row]) -> list[Output]:
-        keep_kv = self._keep_kv
+        pool = self._cache.pool
         with self._gate.forward():
-            outputs = run_rows(
-                self.model, rows, keep_kv, self._forward_kwargs, self.stats, self._lora
-            )
-        if keep_kv and any(not isinstance(o, BaseException) and o[1] is None for o in outputs):
-            self._keep_kv = False  # this model's KV does not fit the segment layout; run without
-        return outputs
+            graphs = self._graphs if pool is not None else None
+            try:
+                return run_rows(
+                    self.model, rows, pool, self._forward_kwargs, self.stats, self._lora,
+                    graphs.run if graphs is not None and graphs.enabled else None,
+                )  # fmt: skip
+            except KvLayoutMismatch as exc:  # on the first forward: no row has a past yet
+                logger.warning("KV reuse is off: this model's KV does not fit the pool: %s", exc)
+                self._kv_unfit = True  # the loop thread drops the pool (`_drop_unfit_pool`)
+                fresh = [Row.fresh(row.new_tokens, row.adapter) for row in rows if not row.past_len]
+                if len(fresh) < len(rows):
+                    raise
+                return run_rows(
+                    self.model, fresh, None, self._forward_kwargs, self.stats, self._lora
+                )
 
     @torch.no_grad()
     def _uncached(self, tokens: tuple[int, ...], adapter: str | None = None) -> torch.Tensor:

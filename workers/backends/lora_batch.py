@@ -30,7 +30,7 @@ QALoRA, layer replication, target parameters, and weights on anything but an ``n
 The adapter's matrices keep the base weight's dtype (float32 under a quantized base); PEFT
 computes half-precision models' LoRA term in float32, so rows there differ by rounding only.
 Forwards may run on several threads at once (each thread's rows are its own); load and unload
-must not run beside a forward (the backend's `ForwardGate` sees to it).
+must not run beside a forward (the backend's `ModelChangeLock` sees to it).
 """
 
 from __future__ import annotations

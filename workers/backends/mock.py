@@ -175,6 +175,22 @@ class MockAsyncLM(AsyncLM):
                 await self._run_batch()
         return await future
 
+    async def logprobs_batch(
+        self, prompts: Sequence[tuple[str | None, Sequence[int]]]
+    ) -> list[torch.Tensor | BaseException]:
+        """The prompts as one batch (joined by calls of the same instant), each row's result or
+        error in order."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[torch.Tensor]] = []
+        for adapter, ids in prompts:
+            future: asyncio.Future[torch.Tensor] = loop.create_future()
+            futures.append(future)
+            self._waiting.append((list(ids), adapter, future))
+        async with self._batch_lock():
+            if not all(future.done() for future in futures):
+                await self._run_batch()
+        return list(await asyncio.gather(*futures, return_exceptions=True))
+
     def _batch_lock(self) -> asyncio.Lock:
         """The lock serializing batches on the running loop (tests use several loops)."""
         loop = asyncio.get_running_loop()

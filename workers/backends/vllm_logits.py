@@ -2,8 +2,11 @@
 
 vLLM's outputs carry top-k log-probabilities only (``logprobs=-1`` exists but turns a whole
 vocabulary into Python objects per request), so `AsyncVirtualLM` registers a logits processor
-(``vllm.v1.sample.logits_processor.LogitsProcessor``, vLLM 0.26) that copies the rows of its own
-requests out of each step's logits and returns the tensor untouched.
+that copies the rows of its own requests out of each step's logits and returns the tensor
+untouched. vLLM has two model runners with two processor interfaces; this module holds the
+V1 runner's (``vllm.v1.sample.logits_processor.LogitsProcessor``: vLLM on CPU) and what both
+share (`RowSink`, the tag, `copy_rows`); `vllm_logits_v2` holds Model Runner V2's (vLLM's
+default on CUDA), and `vllm_engine` installs the one the engine's config will run.
 
 How vLLM calls a processor (V1 model runner, ``v1/worker/gpu_input_batch.py``): requests live
 in a *persistent batch* whose row ``i`` is row ``i`` of every step's logits. Before each step
@@ -34,7 +37,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["TAG_KEY", "BatchRows", "RowSink", "CaptureLogitsProcessor", "capture_processor_class"]
+__all__ = [
+    "TAG_KEY",
+    "BatchRows",
+    "RowSink",
+    "CaptureLogitsProcessor",
+    "capture_processor_class",
+    "copy_rows",
+    "tag_of",
+]
 
 #: The ``SamplingParams.extra_args`` key whose value names a request whose row is captured.
 TAG_KEY = "lmqueue_capture"
@@ -152,17 +163,24 @@ class CaptureLogitsProcessor:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Copy the tagged rows into the sink; return `logits` unchanged (same object)."""
         rows = [(i, tag) for i, tag in self.rows.rows() if i < logits.shape[0]]
-        if rows:
-            # Pinned and non-blocking, as vLLM's own async_tensor_h2d: a pageable copy would
-            # make the CPU wait for the forward pass and stall vLLM's async scheduling.
-            pinned = logits.device.type == "cuda"
-            index = torch.tensor([i for i, _ in rows], pin_memory=pinned)
-            index = index.to(logits.device, non_blocking=True)
-            # index_select copies: the sampler scales this buffer in place after us, and the
-            # next step overwrites it.
-            block = logits.index_select(0, index)
-            type(self).sink.put({tag: block[j] for j, (_, tag) in enumerate(rows)})
+        copy_rows(logits, rows, type(self).sink)
         return logits
+
+
+def copy_rows(logits: torch.Tensor, rows: list[tuple[int, str]], sink: RowSink) -> None:
+    """Copy ``logits[row]`` of each ``(row, tag)`` into `sink` under its tag, without waiting
+    for the device."""
+    if not rows:
+        return
+    # Pinned and non-blocking, as vLLM's own async_tensor_h2d: a pageable copy would make the
+    # CPU wait for the forward pass and stall vLLM's async scheduling.
+    pinned = logits.device.type == "cuda"
+    index = torch.tensor([i for i, _ in rows], pin_memory=pinned)
+    index = index.to(logits.device, non_blocking=True)
+    # index_select copies: the sampler scales this buffer in place after us, and the next step
+    # overwrites it.
+    block = logits.index_select(0, index)
+    sink.put({tag: block[j] for j, (_, tag) in enumerate(rows)})
 
 
 def capture_processor_class(base: type, sink: RowSink) -> type:

@@ -16,7 +16,15 @@ import numpy as np
 
 from ...errors import BadRequest, UnknownNode, VocabularyMismatch
 
-__all__ = ["Reduction", "SUM", "MAX", "as_weight_matrix", "as_node_ids", "check_weight_shape"]
+__all__ = [
+    "Reduction",
+    "SUM",
+    "MAX",
+    "as_weight_matrix",
+    "as_node_ids",
+    "check_weight_shape",
+    "is_tensor",
+]
 
 
 @dataclass(frozen=True)

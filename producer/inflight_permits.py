@@ -1,4 +1,4 @@
-"""`Slots`: how many requests a client may have in flight, as a first-come-first-served count.
+"""`InflightPermits`: how many requests a client may have in flight, first come first served.
 
 It does what ``asyncio.Semaphore`` does, with an uncontended take that is two attribute checks:
 ``Semaphore.locked()`` walks its waiters through a generator, twice per ``acquire``, which cost
@@ -10,30 +10,30 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["Slots"]
+__all__ = ["InflightPermits"]
 
 
-class Slots:
-    """`count` slots; `take` waits for one in arrival order, `release` gives one back."""
+class InflightPermits:
+    """`count` permits; `take` waits for one in arrival order, `release` gives one back."""
 
     def __init__(self, count: int) -> None:
-        self._value = count  # free slots (asyncio.Semaphore's name, which tests look at)
+        self._value = count  # free permits (asyncio.Semaphore's name, which tests look at)
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def free(self) -> int:
-        """Slots nobody holds."""
+        """InflightPermits nobody holds."""
         return self._value
 
     def take_now(self) -> bool:
-        """Take a slot if one is free and nobody is waiting for one; whether it was taken."""
+        """Take a permit if one is free and nobody is waiting for one; whether it was taken."""
         if self._value > 0 and not self._waiters:
             self._value -= 1
             return True
         return False
 
     async def take(self) -> None:
-        """Wait for a slot. A caller cancelled while waiting takes none (or gives it back)."""
+        """Wait for a permit. A caller cancelled while waiting takes none (or gives it back)."""
         if self.take_now():
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -41,14 +41,14 @@ class Slots:
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled
+            if waiter.done() and not waiter.cancelled():  # handed a permit as it was cancelled
                 self.release()
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
             raise
 
     def release(self) -> None:
-        """Give a slot back: to the longest waiter, or to the free count."""
+        """Give a permit back: to the longest waiter, or to the free count."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():

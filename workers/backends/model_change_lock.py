@@ -1,4 +1,4 @@
-"""`ForwardGate`: forwards of one model run side by side; a change to the model runs alone.
+"""`ModelChangeLock`: forwards of one model run side by side; a change to the model runs alone.
 
 A backend with several forward threads (`AsyncTransformer`'s ``parallel_forwards``) runs
 forwards of one model at once: a forward only reads the weights, and each keeps its own
@@ -14,10 +14,10 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["ForwardGate"]
+__all__ = ["ModelChangeLock"]
 
 
-class ForwardGate:
+class ModelChangeLock:
     """A readers-writer lock whose readers are forwards and whose writers change the model."""
 
     def __init__(self) -> None:

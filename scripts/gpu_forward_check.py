@@ -1,0 +1,269 @@
+"""The GPU forward path, measured in one run on a GPU machine (issue: a forward path built for
+GPUs). Prints one JSON line per figure and writes ``$OUT/forward_check.json`` as it goes, so
+a run cut short still returns what it measured.
+
+Parts (``PARTS``, comma-separated; all by default), cheapest first:
+
+* ``parity``: a random model of SmolLM2-135M's shape in float32; 24 prompts (shared prefixes,
+  siblings, lengths 1..300) and an SMC-shaped run (particles resampled, one token a step) through
+  the hf backend's batch entry point, each row against a plain forward; with CUDA graphs and
+  without (eager), and whether the graphs were captured and replayed;
+* ``smc``: the SMC workload of ``lmq bench model`` (64 particles x 24 steps, lipogram) on a random
+  model of SmolLM2-1.7B's shape in bfloat16, in this process: genlm-backend at batch 64 (its best
+  grid point on the H200 baseline) against lmqueue's backend with graphs and eager, interleaved
+  over rounds; calls/s, ms per forward, peak GPU memory above the model, and one profiled run
+  each for the share of wall time in kernels;
+* ``forward``: ``lmq bench forward`` on the device (24 layers of width 64: overhead, not FLOPs);
+* ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first).
+
+On a machine without CUDA it runs the same code on the CPU with tiny shapes (``SIZE=tiny``), to
+shake the script out before spending device time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OUT = Path(os.environ.get("OUT") or "/tmp/gpuout")
+OUT.mkdir(parents=True, exist_ok=True)
+TOK = os.environ.get("GPU_TOKENIZER", "smollm2-135m")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = DEV == "cpu" or os.environ.get("SIZE") == "tiny"
+PARTS = os.environ.get("PARTS", "parity,smc,forward,queue").split(",")
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
+RESULTS: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"}
+SHAPES = {
+    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3),
+    "big": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                num_attention_heads=32, num_key_value_heads=32),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def log(**figures: Any) -> None:
+    print(json.dumps(figures, default=str), flush=True)
+    RESULTS.update(figures)
+    (OUT / "forward_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def tokenizer() -> Any:
+    from lmqueue.workers.models import load_tokenizer
+
+    return load_tokenizer(TOK)
+
+
+def build(tok: Any, shape: str, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tok), max_position_embeddings=8192, rope_theta=100000.0,
+        tie_word_embeddings=True, initializer_range=0.05, **SHAPES["tiny" if TINY else shape],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def backend(model: Any, tok: Any, **options: Any) -> Any:
+    from lmqueue.workers.backends.hf import AsyncTransformer
+
+    return AsyncTransformer(model, tok, **options)
+
+
+def plain(model: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=DEV)).logits[0, -1]
+    return torch.log_softmax(logits.float(), -1).cpu()
+
+
+def diff(model: Any, ids: list[int], row: Any) -> float:
+    return float((plain(model, ids) - row).abs().max())
+
+
+def prompts(tok: Any) -> list[list[int]]:
+    text = (
+        "The quick brown fox jumps over the lazy dog while the committee debates the budget "
+        "for the coming fiscal year, and nobody remembers who proposed the bridge. "
+    ) * 8
+    ids = tok.encode(text)
+    out = [ids[:n] for n in (1, 2, 7, 31, 60, 61, 62, 100, 150, 299)]
+    out += [ids[:60] + [t] for t in (17, 42, 1000, 30000)]
+    out += [ids[: 60 + k] for k in range(3, 9)]
+    return out + [[5] * 40, ids[200:260], ids[:120][::-1], ids[:1] * 3]
+
+
+async def parity_run(model: Any, tok: Any, graphs: bool) -> dict[str, Any]:
+    lm = backend(model, tok, batch_size=256, max_kv_tokens=20_000,
+                 graph_positions=32_768 if graphs else 0)  # fmt: skip
+    diffs: list[float] = []
+    async with lm:
+        batch = prompts(tok)
+        rows = await lm.logprobs_batch([(None, p) for p in batch])
+        diffs += [diff(model, p, r) for p, r in zip(batch, rows, strict=True)]
+        rng = random.Random(0)
+        paths = [list(batch[7]) for _ in range(16)]  # a 100-token prompt, 16 particles
+        for _ in range(10):
+            for path in paths:
+                path.append(rng.randrange(1, 40000))
+            rows = await lm.logprobs_batch([(None, p) for p in paths])
+            diffs += [diff(model, p, r) for p, r in zip(paths, rows, strict=True)]
+            paths = [list(rng.choice(paths)) for _ in paths]
+        g = lm._graphs
+        return {"max_abs_diff": max(diffs), "rows": len(diffs),
+                "graphs_enabled": bool(g and g.enabled), "replays": g.replays if g else 0,
+                "captures": g.captures if g else 0, "forwards": lm.stats.forwards}  # fmt: skip
+
+
+def part_parity(tok: Any) -> None:
+    model = build(tok, "smol", torch.float32)
+    for graphs in (True, False):
+        try:
+            log(**{f"parity_{'graphs' if graphs else 'eager'}": asyncio.run(
+                parity_run(model, tok, graphs))})  # fmt: skip
+        except Exception as exc:
+            log(**{f"parity_{'graphs' if graphs else 'eager'}_error": repr(exc)[:600]})
+    del model
+
+
+def part_forward() -> None:
+    rows = "8,64" if TINY else "8,64,256"
+    for label, extra in (("graphs", []), ("eager", ["--backend-opts", "graph_positions=0"])):
+        cmd = [sys.executable, "-m", "lmqueue.bench", "forward", "--device", DEV,
+               "--rows", rows if label == "graphs" else "64,256", "--segments", "1,32",
+               "--tokenizer", TOK, "--out-dir", str(OUT / f"forward_{label}"), *extra]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+        lines = [line for line in proc.stdout.splitlines() if "rows" in line or "ops" in line]
+        log(
+            **{
+                f"forward_{label}_rc": proc.returncode,
+                f"forward_{label}": lines[-8:],
+                f"forward_{label}_err": proc.stderr[-800:] if proc.returncode else "",
+            }
+        )
+
+
+async def smc_one(kind: str, model: Any, tok: Any, workload: Any, profile: bool,
+                  **options: Any) -> dict[str, Any]:  # fmt: skip
+    if kind == "genlm":
+        from genlm.backend.llm import AsyncTransformer as Genlm
+
+        lm = Genlm(model, tok, **options)
+    else:
+        lm = backend(model, tok, **options)
+        await lm.__aenter__()
+    lm.cache_kv(workload.prompt)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if DEV == "cuda" else 0
+    share = None
+    started = time.perf_counter()
+    if profile and DEV == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+            result = await workload.run(lm)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+        kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+        share = round(kernel_us / 1e6 / wall, 3)
+    else:
+        result = await workload.run(lm)
+        wall = time.perf_counter() - started
+    figures = {"calls_per_s": round(result.calls / wall, 1), "wall_s": round(wall, 2),
+               "peak_mib_above": round((torch.cuda.max_memory_allocated() - base) / 2**20)
+               if DEV == "cuda" else 0, "kernel_share": share}  # fmt: skip
+    if kind == "genlm":
+        lm.clear_cache()
+    else:
+        stats = lm.stats
+        figures["ms_per_forward"] = round(1000 * stats.forward_s / max(stats.forwards, 1), 2)
+        figures["rows_per_forward"] = round(stats.rows / max(stats.forwards, 1), 1)
+        figures["replays"] = lm._graphs.replays if lm._graphs else 0
+        await lm.__aexit__(None, None, None)
+    return figures
+
+
+def part_smc(tok: Any) -> None:
+    from lmqueue.bench.workload import Workload
+    from lmqueue.shared.lm.vocab import decode_vocab
+
+    model = build(tok, "big", torch.float32 if TINY else torch.bfloat16)
+    particles, steps = (8, 6) if TINY else (64, 24)
+    workload = Workload.for_tokenizer(tok, decode_vocab(tok)[0], 100, particles=particles,
+                                      steps=steps, seed=0)  # fmt: skip
+    configs = [
+        ("genlm_b64", "genlm", dict(batch_size=particles, timeout=0.005)),
+        ("lmq_graphs", "lmq", dict(batch_size=particles, timeout=0.005, max_batch_tokens=65536)),
+        ("lmq_eager", "lmq", dict(batch_size=particles, timeout=0.005, max_batch_tokens=65536,
+                                  graph_positions=0)),
+    ]  # fmt: skip
+    per_s: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+    for round_index in range(ROUNDS + 1):
+        profile = round_index == ROUNDS  # the last round profiled (slower: not in the ratios)
+        for label, kind, options in configs:
+            try:
+                fig = asyncio.run(smc_one(kind, model, tok, workload, profile, **options))
+            except Exception as exc:
+                fig = {"error": repr(exc)[:600]}
+            log(**{f"smc_{label}_r{round_index}": fig})
+            if not profile and "calls_per_s" in fig:
+                per_s[label].append(fig["calls_per_s"])
+    for label in ("lmq_graphs", "lmq_eager"):
+        ratios = [a / b for a, b in zip(per_s[label], per_s["genlm_b64"], strict=True) if b]
+        if ratios:
+            log(**{f"smc_{label}_over_genlm": {"worst": round(min(ratios), 3),
+                   "median": round(statistics.median(ratios), 3), "rounds": ratios}})  # fmt: skip
+    if not TINY and "queue" in PARTS:
+        path = Path("/tmp/gpu-models/big")
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    del model
+
+
+def part_queue() -> None:
+    path = "/tmp/gpu-models/big"
+    if TINY:
+        return
+    patch = Path(__file__).parent / "patch"
+    env = {**os.environ, "PYTHONPATH": f"{patch}:{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "lmqueue.bench", "model", "--model", path, "--particles", "64",
+           "--steps", "24", "--repeats", "1", "--sides", "genlm,lmqueue", "--anchor-grid",
+           "defaults", "--out-dir", str(OUT / "model")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    (OUT / "model.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+    log(queue_rc=proc.returncode, queue_tail=(proc.stdout + proc.stderr)[-1500:])
+
+
+def main() -> None:
+    log(torch=torch.__version__, parts=PARTS, tiny=TINY)
+    tok = tokenizer()
+    for part, run in (("parity", lambda: part_parity(tok)), ("smc", lambda: part_smc(tok)),
+                      ("forward", part_forward), ("queue", part_queue)):  # fmt: skip
+        if part in PARTS:
+            started = time.time()
+            try:
+                run()
+            except Exception as exc:
+                log(**{f"{part}_error": repr(exc)[:800]})
+            log(**{f"{part}_s": round(time.time() - started, 1)})
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""ReplyWriter: a batch's writes on the writer thread, the same as through redis-py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from lmqueue.shared.connections import async_redis, connect_async_redis
+from lmqueue.shared.errors import MalformedMessage
+from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.settings import RedisSettings, WorkerSettings
+from lmqueue.shared.shared_cache import SharedCache
+from lmqueue.shared.wire import decode_reply
+from lmqueue.workers.outcome import Outcome
+from lmqueue.workers.reply_writer import ReplyWriter
+from lmqueue.workers.request_stream import RequestStream
+from lmqueue.workers.writer_thread import WriterThread
+
+KEYS = KeySpace()
+VECTOR = np.random.default_rng(2).standard_normal(49_152).astype(np.float32)
+
+
+def _settings(url: str) -> WorkerSettings:
+    return WorkerSettings(model="mock", backend="mock", name="w", redis=RedisSettings(url=url))
+
+
+async def _pending_entries(client: Any, stream: RequestStream, count: int) -> list[Any]:
+    """`count` request entries, delivered to the worker's consumer and not acknowledged."""
+    await stream.ensure_group()
+    for n in range(count):
+        await client.xadd(stream.stream, {b"m": b"request %d" % n})
+    return await stream.read_new(count, None)
+
+
+def _outcome(entries: list[Any], cache: SharedCache) -> Outcome:
+    outcome = Outcome(acks=[entry.entry_id for entry in entries])
+    payload = VECTOR.data.cast("B")
+    for n in range(3):  # fresh results that may travel as claim-checks
+        key = cache.key("float32", b"%d" % n)
+        outcome.cache_puts.append((key, payload))
+        outcome.claimable_result("client-a" if n else "client-b", f"r:{n}", payload, "float32", key)
+    outcome.result("client-b", "r:9", payload, "float32", cached=True)
+    outcome.error("client-a", "r:10", MalformedMessage("bad"))
+    outcome.dead_letter(entries[0], MalformedMessage("nobody to tell"))
+    return outcome
+
+
+@pytest.mark.parametrize("path", ["thread", "redis-py"])
+async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str) -> None:
+    client = async_redis(redis_url)
+    sync = redis.Redis.from_url(redis_url)
+    thread = WriterThread()
+    try:
+        stream = RequestStream(client, KEYS.requests("mock"), "w")
+        cache = SharedCache(client, KEYS, "mock", "r1")
+        writer = ReplyWriter(client, stream, KEYS, _settings(redis_url), cache, thread=thread)
+        assert writer.thread is thread
+        if path == "redis-py":
+            writer.thread = None
+        entries = await _pending_entries(client, stream, 4)
+        await writer.flush(_outcome(entries, cache))
+        jobs = thread.jobs
+        replies = {
+            c: [decode_reply(fields) for _, fields in sync.xrange(KEYS.replies(c))]
+            for c in ("client-a", "client-b")
+        }
+        dead = sync.xrange(KEYS.dead_letters("mock"))
+        ttl = sync.ttl(KEYS.replies("client-a"))
+        pending, left = sync.xpending(stream.stream, "workers")["pending"], sync.xlen(stream.stream)
+    finally:
+        await thread.aclose()
+        await client.aclose()
+        sync.close()
+    by_id = {r.request_id: r for rs in replies.values() for r in rs}
+    assert sorted(by_id) == ["r:0", "r:1", "r:10", "r:2", "r:9"]
+    assert all(by_id[f"r:{n}"].claim for n in range(3))  # their entries were stored first
+    assert np.array_equal(by_id["r:9"].vector(), VECTOR) and by_id["r:9"].cached
+    assert isinstance(by_id["r:10"].error, MalformedMessage)
+    assert len(dead) == 1 and dead[0][1][b"lmq.reason"].startswith(b"MalformedMessage")
+    assert 0 < ttl <= 600 and pending == 0 and left == 0
+    assert jobs == (1 if path == "thread" else 0)
+
+
+@pytest.mark.cluster
+async def test_a_slot_moved_under_the_writer_thread_is_written_through_redis_py(
+    redis_cluster: Any, cluster_url: str
+) -> None:
+    """redis-py's slot map still names the old master: the thread meets MOVED there, and the
+    batch goes through redis-py, which follows it."""
+    client = await connect_async_redis(cluster_url)
+    thread = WriterThread()
+    reply_key = KEYS.replies("moved-client")
+    try:
+        stream = RequestStream(client, KEYS.requests("mock"), "w")
+        writer = ReplyWriter(client, stream, KEYS, _settings(cluster_url), None, thread=thread)
+        assert writer.thread is thread
+        slot = redis_cluster.slot_of(reply_key)
+        target = next(
+            p for p in redis_cluster.master_ports() if p != redis_cluster.port_of_slot(slot)
+        )
+        redis_cluster.migrate_slot(slot, target)  # behind redis-py's back
+        outcome = Outcome()
+        outcome.result("moved-client", "m:1", VECTOR.data.cast("B"), "float32", cached=False)
+        await writer.flush(outcome)
+        rows = await client.xrange(reply_key)
+    finally:
+        await thread.aclose()
+        await client.aclose()
+    assert writer.redirected == 1 and len(rows) == 1
+    assert np.array_equal(decode_reply(rows[0][1]).vector(), VECTOR)

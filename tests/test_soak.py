@@ -1,0 +1,131 @@
+"""The soak's judgement, without a soak: accounting of journals, flatness, recovery times.
+
+`lmq bench soak` (tests/test_soak_scenario.py runs it for a minute) decides pass or fail from
+three pure computations; each is checked here on hand-made inputs, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lmqueue.bench.soak import recovery
+from lmqueue.bench.soak.flatness import flatness, theil_sen_slope
+from lmqueue.bench.soak.journal import JournalWriter, answered_times, read_events, tally
+
+
+def _journal(path: Path, *events: tuple[str, dict]) -> Path:
+    writer = JournalWriter(path)
+    for name, fields in events:
+        writer.write(name, **fields)
+    writer.close()
+    return path
+
+
+def _end(batch: int, ok: int, **fields) -> tuple[str, dict]:
+    return "end", {"b": batch, "ok": ok, **fields}
+
+
+def test_every_call_of_a_journal_gets_exactly_one_outcome(tmp_path):
+    path = _journal(
+        tmp_path / "a.jsonl",
+        ("start", {"pid": 1}),
+        ("begin", {"b": 1, "n": 8}),
+        _end(1, 8, retries=2, rerr={"Unavailable": 2}, s=[{"p": [1]}]),
+        ("begin", {"b": 2, "n": 8}),
+        _end(2, 5, err={"UnknownAdapter": 2}, lost=1),
+        ("stats", {"duplicate_replies": 3}),
+        ("begin", {"b": 3, "n": 8}),  # killed mid-step: abandoned with its process
+        ("start", {"pid": 2}),
+        ("begin", {"b": 1, "n": 4}),  # the new process numbers its batches afresh
+        _end(1, 4),
+        ("begin", {"b": 2, "n": 4}),  # still running
+    )
+    running = tally([path], final=False)
+    assert (running.calls, running.answered, running.lost, running.abandoned) == (32, 17, 1, 8)
+    assert running.in_flight == 4 and running.accounted
+    assert running.errors == {"UnknownAdapter": 2}
+    assert (running.retried, running.retried_errors) == (2, {"Unavailable": 2})
+    assert running.duplicate_replies_dropped == 3 and running.duplicated == 0
+    assert running.samples == [{"p": [1]}] and running.processes == 2
+    final = tally([path])
+    assert (final.abandoned, final.in_flight) == (12, 0) and final.accounted
+
+
+def test_a_batch_ended_twice_or_a_call_answered_twice_counts_as_duplicated(tmp_path):
+    path = _journal(
+        tmp_path / "b.jsonl",
+        ("start", {"pid": 1}),
+        ("begin", {"b": 1, "n": 4}),
+        _end(1, 4),
+        _end(1, 4),
+        ("begin", {"b": 2, "n": 4}),
+        _end(2, 4, extra=1),
+    )
+    assert tally([path]).duplicated == 5
+
+
+def test_a_torn_last_line_is_skipped_and_answered_calls_are_timed(tmp_path):
+    path = _journal(tmp_path / "c.jsonl", ("begin", {"b": 1, "n": 2}), _end(1, 2))
+    with path.open("a") as f:
+        f.write('{"ev": "end", "b": 2, "ok"')  # kill -9 mid-write
+    assert [e["ev"] for e in read_events(path)] == ["begin", "end"]
+    (when, count), *_ = answered_times([path])
+    assert count == 2 and when == json.loads(path.read_text().splitlines()[1])["t"]
+
+
+def test_theil_sen_ignores_a_restart_that_a_least_squares_line_follows():
+    points = [(float(t), 300.0 + 0.01 * t) for t in range(0, 600, 5)]
+    points[60:70] = [(t, 20.0) for t, _ in points[60:70]]  # a killed worker, started again
+    assert theil_sen_slope(points) == pytest.approx(0.01, rel=0.05)
+
+
+def test_a_slow_leak_is_rising_and_a_noisy_steady_series_is_flat():
+    leak = [(float(t), 300.0 + 0.1 * t) for t in range(0, 3600, 5)]  # +6 MiB a minute
+    verdict = flatness("rss_mib:w", leak, floor=16.0)
+    assert not verdict.flat and verdict.rise == pytest.approx(240, rel=0.02)
+    assert verdict.slope_per_h == pytest.approx(360, rel=0.02)
+    steady = [(float(t), 300.0 + (7 if t % 10 else -7)) for t in range(0, 3600, 5)]
+    assert flatness("rss_mib:w", steady, floor=16.0).flat
+    warming = [(float(t), min(t, 1000.0)) for t in range(0, 3600, 5)]  # fills, then stays
+    assert flatness("cache", warming, floor=0.0).flat
+
+
+def test_the_allowed_rise_is_a_share_of_the_level_or_the_floor():
+    points = [(float(t), 1000.0 + 0.02 * t) for t in range(0, 3000, 10)]  # +40 over 2000 s
+    assert flatness("x", points, floor=10.0).allowed == pytest.approx(0.05 * 1030, rel=0.02)
+    assert flatness("x", points, floor=10.0).flat
+    assert not flatness("x", points, floor=10.0, rel=0.01).flat
+    assert flatness("x", points, floor=100.0, rel=0.01).flat
+
+
+def test_recovery_is_the_first_bucket_after_repair_back_at_the_level():
+    start = 1000.0
+    points = [(start + t + 0.5, 50) for t in range(0, 300)]  # 50 calls a second...
+    points = [(t, 0 if 1100 <= t < 1120 else n) for t, n in points]  # ...none for 20 s
+    series = recovery.rates(points, start, start + 300)
+    faults = [
+        {"kind": "stop_worker", "at": start + 100, "repair_s": 10.0},
+        {"kind": "kill_worker", "at": start + 200, "repair_s": 2.0},
+    ]
+    first, second = recovery.recoveries(series, faults, start)
+    assert (first["level"], first["recovered_s"]) == (50.0, 25.0)
+    assert second["recovered_s"] == 5.0
+    kinds = recovery.by_kind([first, second])
+    assert kinds["stop_worker"] == {
+        "faults": 1, "recovered": 1, "worst_s": 25.0, "median_s": 25.0, "worst_repair_s": 10.0
+    }  # fmt: skip
+
+
+def test_a_rate_that_never_comes_back_before_the_next_fault_has_no_recovery():
+    start = 0.0
+    points = [(t + 0.5, 50 if t < 100 else 1) for t in range(0, 300)]
+    series = recovery.rates(points, start, 300.0)
+    faults = [{"kind": "restart_redis", "at": 100.0, "repair_s": 1.0},
+              {"kind": "kill_worker", "at": 200.0, "repair_s": 1.0}]  # fmt: skip
+    assert recovery.recoveries(series, faults, start)[0]["recovered_s"] is None
+    assert recovery.by_kind(recovery.recoveries(series, faults, start))["restart_redis"] == {
+        "faults": 1, "recovered": 0, "worst_s": None, "median_s": None, "worst_repair_s": 1.0
+    }  # fmt: skip

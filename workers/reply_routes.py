@@ -1,0 +1,56 @@
+"""`Routes`: which connection each key a batch writes goes to, for the writer thread.
+
+On a single instance every key goes to it; on a Redis Cluster each key goes to the master
+serving its hash slot, looked up in redis-py's slot map on the event loop (the map is that
+client's, kept current by it), so the writer thread gets plain addresses. Keys of one node
+share one `Target` object: the thread groups a batch's commands by it, one pipeline per node.
+A slot that moved shows as a ``MOVED``/``ASK`` reply there, and the batch is written again
+through redis-py, which follows it and refreshes the map (`ReplyWriter`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio.connection import SSLConnection
+
+from lmqueue.shared.connections import is_cluster
+from lmqueue.shared.resp_socket import Target, target_of
+
+__all__ = ["Routes"]
+
+
+class Routes:
+    """Keys to connections of one client's Redis (a single instance or a cluster)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.cluster = is_cluster(client)
+        self._single = None if self.cluster else target_of(client)
+        self._nodes: dict[tuple[str, int], Target] = {}
+
+    @staticmethod
+    def supports(client: Any) -> bool:
+        """Whether the writer thread can reach `client`'s Redis itself (plain TCP or Unix)."""
+        if is_cluster(client):
+            kind = client.nodes_manager.connection_kwargs.get("connection_class")
+            return not (isinstance(kind, type) and issubclass(kind, SSLConnection))
+        return target_of(client) is not None
+
+    def of(self, key: str) -> Target:
+        """The connection `key` is written on (call on the event loop).
+
+        Raises:
+            redis.exceptions.SlotNotCoveredError: the slot has no master in the map.
+        """
+        if self._single is not None:
+            return self._single
+        node = self.client.get_node_from_key(key)
+        address = (node.host, int(node.port))
+        target = self._nodes.get(address)
+        if target is None:
+            kwargs = self.client.nodes_manager.connection_kwargs
+            target = {"host": address[0], "port": address[1]}
+            target.update({k: kwargs[k] for k in ("username", "password") if kwargs.get(k)})
+            self._nodes[address] = target
+        return target

@@ -14,7 +14,11 @@ Parts (``PARTS``, comma-separated; all by default), cheapest first:
   over rounds; calls/s, ms per forward, peak GPU memory above the model, and one profiled run
   each for the share of wall time in kernels;
 * ``forward``: ``lmq bench forward`` on the device (24 layers of width 64: overhead, not FLOPs);
-* ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first).
+* ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first),
+  ``REPEATS`` rounds (3) against genlm's full grid;
+* ``programs``: ``lmq bench programs`` K=4 (32 particles x 24 steps, genlm at its defaults, as
+  ``../shared/gpu``'s baseline): calls/s and GPU memory in use, one worker against four copies;
+* ``transport``: ``lmq bench transport`` on the machine's cores (vectors of the tokenizer's size).
 
 On a machine without CUDA it runs the same code on the CPU with tiny shapes (``SIZE=tiny``), to
 shake the script out before spending device time.
@@ -40,8 +44,9 @@ OUT.mkdir(parents=True, exist_ok=True)
 TOK = os.environ.get("GPU_TOKENIZER", "smollm2-135m")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = DEV == "cpu" or os.environ.get("SIZE") == "tiny"
-PARTS = os.environ.get("PARTS", "parity,smc,forward,queue").split(",")
-ROUNDS = int(os.environ.get("ROUNDS", "2"))
+PARTS = os.environ.get("PARTS", "parity,smc,forward,queue,programs,transport").split(",")
+REPEATS = os.environ.get("REPEATS", "3")
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
 RESULTS: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"}
 SHAPES = {
     "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -213,47 +218,70 @@ def part_smc(tok: Any) -> None:
                                   graph_positions=0)),
     ]  # fmt: skip
     per_s: dict[str, list[float]] = {label: [] for label, _, _ in configs}
-    for round_index in range(ROUNDS + 1):
-        profile = round_index == ROUNDS  # the last round profiled (slower: not in the ratios)
+    for round_index in range(-1, ROUNDS + 1):
+        # round -1 warms every side up (CUDA context, kernels); the last is profiled (slower);
+        # neither is in the ratios
+        profile = round_index == ROUNDS
         for label, kind, options in configs:
             try:
                 fig = asyncio.run(smc_one(kind, model, tok, workload, profile, **options))
             except Exception as exc:
                 fig = {"error": repr(exc)[:600]}
             log(**{f"smc_{label}_r{round_index}": fig})
-            if not profile and "calls_per_s" in fig:
+            if 0 <= round_index < ROUNDS and "calls_per_s" in fig:
                 per_s[label].append(fig["calls_per_s"])
     for label in ("lmq_graphs", "lmq_eager"):
         ratios = [a / b for a, b in zip(per_s[label], per_s["genlm_b64"], strict=True) if b]
         if ratios:
             log(**{f"smc_{label}_over_genlm": {"worst": round(min(ratios), 3),
                    "median": round(statistics.median(ratios), 3), "rounds": ratios}})  # fmt: skip
-    if not TINY and "queue" in PARTS:
+    if not TINY and ("queue" in PARTS or "programs" in PARTS):
         path = Path("/tmp/gpu-models/big")
         model.save_pretrained(path)
         tok.save_pretrained(path)
     del model
 
 
-def part_queue() -> None:
-    path = "/tmp/gpu-models/big"
-    if TINY:
-        return
+def bench(name: str, args: list[str], timeout: float) -> None:
+    """One ``lmq bench`` subcommand with the in-process sides on the GPU (``patch``); its whole
+    output goes to ``$OUT/<name>.log``, its tail into the JSON."""
     patch = Path(__file__).parent / "patch"
     env = {**os.environ, "PYTHONPATH": f"{patch}:{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "lmqueue.bench", "model", "--model", path, "--particles", "64",
-           "--steps", "24", "--repeats", "1", "--sides", "genlm,lmqueue", "--anchor-grid",
-           "defaults", "--out-dir", str(OUT / "model")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
-    (OUT / "model.log").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
-    log(queue_rc=proc.returncode, queue_tail=(proc.stdout + proc.stderr)[-1500:])
+    cmd = [sys.executable, "-m", "lmqueue.bench", name, *args, "--out-dir", str(OUT / name)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        out, rc = proc.stdout + "\n--- stderr\n" + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = f"{exc.stdout or ''}\n--- stderr\n{exc.stderr or ''}", "timeout"
+    (OUT / f"{name}.log").write_text(str(out))
+    log(**{f"{name}_rc": rc, f"{name}_tail": str(out)[-1800:]})
+
+
+def part_queue() -> None:
+    if TINY:
+        return
+    bench("model", ["--model", "/tmp/gpu-models/big", "--particles", "64", "--steps", "24",
+                    "--repeats", REPEATS, "--sides", "genlm,lmqueue"], timeout=260)  # fmt: skip
+
+
+def part_programs() -> None:
+    if TINY:
+        return
+    bench("programs", ["--model", "/tmp/gpu-models/big", "--programs", "4", "--particles", "32",
+                       "--steps", "24", "--anchor-grid", "defaults"], timeout=200)  # fmt: skip
+
+
+def part_transport() -> None:
+    big = Path("/tmp/gpu-models/big")
+    bench("transport", ["--model", str(big) if big.exists() else TOK], timeout=150)
 
 
 def main() -> None:
     log(torch=torch.__version__, parts=PARTS, tiny=TINY)
     tok = tokenizer()
     for part, run in (("parity", lambda: part_parity(tok)), ("smc", lambda: part_smc(tok)),
-                      ("forward", part_forward), ("queue", part_queue)):  # fmt: skip
+                      ("forward", part_forward), ("queue", part_queue),
+                      ("programs", part_programs), ("transport", part_transport)):  # fmt: skip
         if part in PARTS:
             started = time.time()
             try:

@@ -75,7 +75,12 @@ async def test_killing_the_master_of_the_request_stream_loses_no_request(
     )
     record(figures)
     assert_clean(figures)
-    assert stats["server_restarts"] >= 1 and stats["sent"] > 800  # resubmitted after failover
+    # the client saw the failover (a new run id on the promoted replica). Whether it resent
+    # anything depends on timing: when the replica had every request and the workers answered
+    # them all before the client's next INFO, nothing was in flight to resend (seen in CI:
+    # sent == 800, nothing lost). Nothing lost is what assert_clean checks.
+    assert stats["server_restarts"] >= 1
+    assert stats["sent"] >= 800
 
 
 async def test_killing_the_master_of_the_reply_stream_loses_no_request(

@@ -9,9 +9,9 @@ nobody waits for it.
 
 Deadlines share one loop timer: requests join a queue in deadline order (they do, having one
 timeout each, unless a wait for an in-flight slot shortened one: that one gets a timer of its
-own), and the timer fires at the earliest deadline. A timer per request cost ~10 us of a
-call's ~130 (creating it, cancelling it, and the event loop's rebuilding of a heap full of
-cancelled ones).
+own), and the timer fires at the earliest deadline. A timer per request cost several percent
+of a call's CPU (creating it, cancelling it, and the event loop's rebuilding of a heap full of
+cancelled ones; BENCHMARKS.md, transport).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`InflightPermits`: how many requests a client may have in flight, first come first served.
 
 It does what ``asyncio.Semaphore`` does, with an uncontended take that is two attribute checks:
-``Semaphore.locked()`` walks its waiters through a generator, twice per ``acquire``, which cost
-~5 us of a ~130 us call in the transport benchmark.
+``Semaphore.locked()`` walks its waiters through a generator, twice per ``acquire``: a few
+percent of a call's CPU in the transport benchmark (BENCHMARKS.md, transport).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ every vector an iovec of its own (never joined into one bytes object), and a vec
 is received straight into the array it is handed out as (``recv_into``, ``MSG_WAITALL``).
 Meanwhile the event loop's thread reads, decodes and computes. The asyncio path cost 3x the
 CPU for the same sends once the socket was full (a wake-up, a callback and a partial write per
-64 KiB: 53 against 17 CPU us per 96 KiB XADD, measured here).
+64 KiB; docs/benchmarks-history.md, "RespPipe alone").
 
 It speaks RESP2 pipelines of plain commands over TCP or a Unix socket; not TLS, nor anything
 but a plain redis-py client's connection (`target_of` says None, and callers keep redis-py).

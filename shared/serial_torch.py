@@ -1,9 +1,10 @@
 """`serial_torch_here`: torch ops of the calling thread run serially, no other thread's change.
 
-Converting a 49,152-value vector between float32 and float16 takes one torch op of ~5 us
+Converting a vocabulary-sized vector between float32 and float16 takes one short torch op
 serially. On a thread whose OpenMP team has several threads, an op that large is handed to
 the team, whose threads then spin for milliseconds on other cores; cut into pieces below
-ATen's grain size (`shared.wire.cast_in_chunks`) it costs ~15-20 us of Python and dispatch.
+ATen's grain size (`shared.wire.cast_in_chunks`) it costs several times the op in Python and
+dispatch.
 Threads that only move vectors (a worker's event loop, a client's reply thread) want
 neither: they run torch ops serially.
 

@@ -80,9 +80,9 @@ DEFAULT_GPU_BATCH_SIZE = 256
 DEFAULT_GPU_MAX_BATCH_TOKENS = 65_536
 #: How long a worker (and a batching backend) waits to fill a batch.
 DEFAULT_MAX_WAIT_MS = 5
-#: A light tenant's round trip (replies written to its next calls read) took 2-6 ms, 1-14 ms
-#: in all, on the fairness benchmark; at 10 ms one round in ~90 missed its forward. A longer
-#: wait costs only when a tenant comes back late or not at all (BENCHMARKS.md 3b).
+#: Long enough for a local light tenant's round trip (its replies written to its next calls
+#: read) with room for its tail; a longer wait costs only when a tenant comes back late or not
+#: at all, and `workers.anticipation` bounds it by the forward's time (BENCHMARKS.md, fairness).
 DEFAULT_ANTICIPATE_MS = 20
 
 

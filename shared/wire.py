@@ -125,7 +125,7 @@ class DeferredPayload:
 
     A worker's writer thread writes a batch's replies while the event loop goes on with the
     next batch; converting to a 16-bit dtype (or copying off a GPU) there instead of on the
-    loop takes ~15-25 us a vector off the loop's thread (torch releases the GIL meanwhile).
+    loop takes that work off the loop's thread (torch releases the GIL meanwhile).
     The vector must stay unchanged until then, as a float32 payload's view requires anyway.
     One thread makes the bytes, once (`payload_bytes`).
     """
@@ -200,8 +200,7 @@ def holds_vector(value: Any, dtype: str, vector_size: int = 0) -> bool:
 
 #: Largest piece converted by one torch op. From 32,768 elements (ATen's GRAIN_SIZE) torch hands
 #: an op to its OpenMP team, whose threads then spin for milliseconds, burning the cores the
-#: queue needs; below, it runs inline. Fewer pieces, less overhead: 49,152 values convert in
-#: 10 us as two pieces, 13 us as three, 22 us as six.
+#: queue needs; below, it runs inline. Fewer pieces, less overhead (each costs its dispatch).
 _HALF_CHUNK = 32_760
 #: torch tensors are native-endian; the wire is little-endian.
 _HALF_BY_TORCH = sys.byteorder == "little"
@@ -212,8 +211,8 @@ _HALVES = ("float16", "bfloat16")
 def cast_in_chunks(destination: Any, source: Any) -> None:
     """Copy torch tensor `source` into `destination`, converting dtype, one serial chunk at a time.
 
-    Both are 1-d tensors of one length. torch converts float32 <-> float16 with F16C in ~5 us
-    per 49,152 values (numpy: 125 us and 69 us here), rounding to nearest even as numpy does.
+    Both are 1-d tensors of one length. torch converts float32 <-> float16 with F16C, an order
+    of magnitude faster than numpy, rounding to nearest even as numpy does.
     On a thread whose torch ops run serially anyway (`shared.serial_torch`) it is one op:
     each piece costs a few microseconds of dispatch.
     """

@@ -4,9 +4,8 @@ A closed-loop tenant (an SMC sampler: each step's calls go out when the last ste
 arrive) whose calls were in the forward now ending has nothing queued when late binding picks
 the next batch (`late_binding`: a fifth of a forward before its end). Its next calls arrive a
 few milliseconds after its replies, when the next forward, full of other tenants' rows, has
-started: they wait for all of it and then run in the one after, two full forwards. On the
-fairness benchmark that was 197 ms against 68 ms for the same tenant alone, every call, a p99
-ratio of 2.9 (BENCHMARKS.md 3b). So a busy worker waits for a *returning* tenant: while a
+started: they wait for all of it and then run in the one after, two full forwards: about
+three times its latency alone, every call (BENCHMARKS.md, fairness). So a busy worker waits for a *returning* tenant: while a
 tenant that had calls in a batch sent to the backend has fewer queued than it had there, the
 next batch is not picked until that tenant's replies are written and then either as many
 calls of it are queued again, or its wait is over (anticipatory scheduling, as disk
@@ -21,12 +20,12 @@ The cost is the backend's idle time, so the wait is bounded by what it costs: wh
 tenants' requests are queued, the backend idles at most `IDLE_SHARE` of a forward (the
 backend's own time per forward, `BackendOccupancy.compute_s`) per batch, counted from when it went
 idle, and never more than ``anticipate_ms`` after the tenant's replies (a wait that holds up no
-one is bounded by the latter only, and is no miss). The same setting holds for a 100 ms CPU
-forward (up to 25 ms: a local client's round trip, 10-15 ms on the fairness bench, fits) and a
-3 ms GPU forward (0.75 ms: none fits, so the tenant is soon not waited for and the worker stays
-work-conserving; its calls wait one short forward instead). What the backend idles when the
-tenant is caught is its round trip, not the bound: ~10% of a 100 ms forward on the 2-core
-machine of BENCHMARKS.md 3b. A tenant with a backlog is never waited for; one whose wait ran
+one is bounded by the latter only, and is no miss). The same setting holds for a slow CPU
+forward (a local client's round trip fits in a quarter of it) and a fast GPU forward (no round
+trip fits: the tenant is soon not waited for and the worker stays work-conserving; its calls
+wait one short forward instead). What the backend idles when the tenant is caught is its round
+trip, not the bound: the throughput the fairness benchmark loses (BENCHMARKS.md, fairness). A
+tenant with a backlog is never waited for; one whose wait ran
 out twice in a row (it stopped, thinks longer, its round trip is longer than the bound, or
 another worker read its calls) is not waited for during its next `COOL_OFF_BATCHES` batches,
 twice as many each time it runs out again right after (up to `MAX_COOL_OFF_BATCHES`), then
@@ -172,8 +171,8 @@ class ReturningTenants:
 class AwaitedFirst:
     """An awaited tenant's replies are written before the other parts' of its batch: until its
     next calls are back the backend idles, and other replies written ahead of its own on the
-    worker's one writer thread lengthened that idle by their writing (on the fairness bench
-    B's replies were written 7.5 ms after the forward's end behind A's, 4 ms ahead of them).
+    worker's one writer thread lengthened that idle by their writing (BENCHMARKS.md, fairness,
+    and the trace in its history).
 
     Args:
         parts: how many of the batch's parts are awaited tenants'.

@@ -86,7 +86,7 @@ def one_torch_team(settings: WorkerSettings) -> WorkerSettings:
     With OpenMP every thread that runs a parallel op keeps a team of its own; with more team
     threads than cores libgomp spins 100 times instead of 300,000 before sleeping between
     ops, and a forward of many small ops (a LoRA's) pays a wake-up each (the figures:
-    BENCHMARKS.md, "10. adapters"). With ``parallel_forwards`` the threads are
+    BENCHMARKS.md, adapters). With ``parallel_forwards`` the threads are
     split over the forwards (at least one each). Returns `settings` with the count in
     ``backend_opts`` (unless set there already).
     """

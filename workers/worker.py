@@ -464,10 +464,10 @@ def _freeze_startup_heap() -> None:
     the imported modules) out of the garbage collector's reach.
 
     Python's full (generation 2) collection traverses every tracked object; with torch and
-    a model loaded one took 150-365 ms on this machine (mock backend, loaded machine), and
-    the loop, so every tenant's next batch, waited for it. Under a flood that allocates
-    steadily one ran every ~40-70 s, and it was the whole of a light tenant's p99 tail: the
-    16 calls of the forward it held were the 16 slowest of 768 (issue 23; BENCHMARKS.md).
+    a model loaded one takes hundreds of milliseconds, and the loop, so every tenant's next
+    batch, waits for it. Under a flood that allocates steadily one ran every minute or so,
+    and it was the whole of a light tenant's p99 tail (BENCHMARKS.md, fairness; the tail's
+    history there).
     Frozen objects are not traversed (nor collected: what dies later is freed by reference
     counting as before); what the worker allocates while serving is collected in short
     passes. Called once per `serve`; a test process serving several workers freezes again.

@@ -12,7 +12,7 @@ more, so the event loop keeps serving meanwhile; queries arriving during a forwa
 next one. Several forwards at once, each on its own thread with ``forward_threads`` torch
 threads, are for CPUs: a small model's forward keeps two cores only ~70% busy as one OpenMP
 team (many small ops, each a barrier), while two single-threaded forwards keep both busy
-(twice the rows in about 1.5x the time: BENCHMARKS.md, "10. adapters"). The trie and the
+(twice the rows in about 1.5x the time: BENCHMARKS.md, adapters). The trie and the
 futures are touched only on the loop thread, and a forward gets plain tensors, so an eviction
 meanwhile cannot pull a past from under it. An adapter is loaded or unloaded only while no
 forward runs (`ModelChangeLock`). The padded layout, the mask and out-of-memory splitting live
@@ -146,7 +146,7 @@ class AsyncTransformer(AsyncLM):
             thread (`backend_loader`): with OpenMP, each thread that runs a parallel op keeps a
             team of its own, and past one team per core libgomp stops spinning between ops;
             a forward on its own thread ran markedly slower with 2 threads than on the thread
-            that loaded the model (BENCHMARKS.md, "10. adapters").
+            that loaded the model (BENCHMARKS.md, adapters).
         parallel_forwards: forwards that may run at once, each on a thread of its own with
             `forward_threads` torch threads (see the module docstring); 1 on a GPU.
         graph_positions: on a GPU, decode forwards of base-model rows replay CUDA graphs

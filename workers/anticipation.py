@@ -4,12 +4,12 @@ A closed-loop tenant (an SMC sampler: each step's calls go out when the last ste
 arrive) whose calls were in the forward now ending has nothing queued when late binding picks
 the next batch (`late_binding`: a fifth of a forward before its end). Its next calls arrive a
 few milliseconds after its replies, when the next forward, full of other tenants' rows, has
-started: they wait for all of it and then run in the one after, two full forwards: about
-three times its latency alone, every call (BENCHMARKS.md, fairness). So a busy worker waits for a *returning* tenant: while a
-tenant that had calls in a batch sent to the backend has fewer queued than it had there, the
-next batch is not picked until that tenant's replies are written and then either as many
-calls of it are queued again, or its wait is over (anticipatory scheduling, as disk
-schedulers wait for a process's next read rather than seek away).
+started: they wait for all of it and then run in the one after, two full forwards: about three
+times its latency alone, every call (BENCHMARKS.md, fairness). So a busy worker waits for a
+*returning* tenant: while a tenant that had calls in a batch sent to the backend has fewer
+queued than it had there, the next batch is not picked until that tenant's replies are written
+and then either as many calls of it are queued again, or its wait is over (anticipatory
+scheduling, as disk schedulers wait for a process's next read rather than seek away).
 
 While a returning tenant is awaited it also keeps its place in the fair share
 (`FairShare.add`'s credit, one batch's worth at most): idle only between its replies and its

@@ -25,6 +25,7 @@ from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.lm.vocab import str_vocab_of
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN, redis_boundary
 from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_from_files
@@ -255,24 +256,20 @@ class QueueLM(SyncFacade, AsyncLM):
 
     async def _lookup(
         self, token_ids: Sequence[int], lora_name: str | None
-    ) -> tuple[Any, tuple[str | None, bytes]]:
+    ) -> tuple[Any, PromptKey]:
         """Validate the prompt and adapter; the locally cached result (tensor, array or None)
-        and its key: the adapter and the prompt's bytes."""
+        and the prompt's key (built here, once per call)."""
         ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
-        key = (await self.adapters.resolve(lora_name), ids.astype("<i4").tobytes())
+        key = PromptKey.of_ids(ids, await self.adapters.resolve(lora_name))
         if key in self.local_cache:  # a miss through get() raises and catches KeyError
             return self.local_cache[key], key
         return None, key
 
-    async def _ask(self, key: tuple[str | None, bytes]) -> np.ndarray:
-        """The raw vector of a log-probabilities request: prompt bytes under an adapter."""
-        adapter, token_bytes = key
-        if adapter is not None:
+    async def _ask(self, prompt: PromptKey) -> np.ndarray:
+        """The raw vector of a log-probabilities request for `prompt`."""
+        if prompt.adapter is not None:
             self.channel.set_adapters(self.adapters.records)  # the key needs its revision
-            return await self.request(
-                token_bytes, "logprobs", self.settings.wire_dtype, adapter=adapter
-            )
-        return await self.request(token_bytes, "logprobs", self.settings.wire_dtype)
+        return await self.channel.request(prompt, "logprobs", self.settings.wire_dtype)
 
     def clear_cache(self) -> None:
         """Forget locally cached results (the shared cache is left alone)."""
@@ -282,9 +279,11 @@ class QueueLM(SyncFacade, AsyncLM):
         """Submit (or join) one request and wait for its result vector (16-bit ones widened
         to float32).
 
-        The layer under `next_token_logprobs` and `QueueTrie`; see `RequestChannel.request`.
+        The layer under `QueueTrie`; see `RequestChannel.request`. An ``adapter`` in `extra`
+        names the LoRA adapter (None or absent: the base model).
         """
-        return await self.channel.request(token_bytes, kind, dtype, **extra)
+        prompt = PromptKey(extra.pop("adapter", None), token_bytes)
+        return await self.channel.request(prompt, kind, dtype, **extra)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded, LMQueueError
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.wire import Reply, Request
 
 from .tensors import widened
@@ -43,6 +44,8 @@ class Pending:
     """One in-flight request and the futures of the callers waiting for it."""
 
     request: Request
+    #: The request's prompt key (adapter and tokens), built once by the client.
+    prompt: PromptKey
     dedup_key: Hashable
     waiters: list[asyncio.Future[np.ndarray]] = field(default_factory=list)
     #: Its own timer, when its deadline came out of order (see the module docstring).
@@ -88,9 +91,12 @@ class InflightTable:
         """The in-flight request with this id, if it is still waiting for its outcome."""
         return self._by_id.get(request_id)
 
-    def add(self, request: Request, dedup_key: Hashable, timeout_s: float) -> Pending:
-        """Register a new request; it fails with `DeadlineExceeded` after `timeout_s` (0: never)."""
-        pending = Pending(request, dedup_key)
+    def add(
+        self, request: Request, prompt: PromptKey, dedup_key: Hashable, timeout_s: float
+    ) -> Pending:
+        """Register a new request for `prompt`; it fails with `DeadlineExceeded` after
+        `timeout_s` (0: never)."""
+        pending = Pending(request, prompt, dedup_key)
         self._by_id[request.request_id] = pending
         self._by_key[dedup_key] = pending
         if timeout_s:

@@ -30,6 +30,7 @@ from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded
 from lmqueue.shared.partitions import Partitioning, stream_partitions
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.registry import ModelInfo
 from lmqueue.shared.resp_socket import target_of
 from lmqueue.shared.settings import ClientSettings
@@ -186,22 +187,22 @@ class RequestChannel:
         with contextlib.suppress(Exception):
             await bounded(self.redis.delete(self.reader.stream), 1.0, "deleting replies")
 
-    async def request(self, token_bytes: bytes, kind: str, dtype: str, **extra: Any) -> np.ndarray:
+    async def request(self, prompt: PromptKey, kind: str, dtype: str, **extra: Any) -> np.ndarray:
         """Submit (or join) one request and wait for its result vector.
 
         The vector is as it travelled, except that float16 and bfloat16 ones come widened to
         float32; a writable one is the first caller's own, later callers get copies.
 
-        Args: the prompt as little-endian int32 bytes, the kind (``logprobs`` or ``mass``),
-        the wire dtype, and for masses the `Request` fields ``mass_op``, ``node_bytes``,
-        ``vocab_digest``.
+        Args: the prompt's key (its adapter and token bytes), the kind (``logprobs`` or
+        ``mass``), the wire dtype, and for masses the `Request` fields ``mass_op``,
+        ``node_bytes``, ``vocab_digest``.
         """
         if self.closed:
             raise Cancelled("the client is closed")
-        dedup_key = (token_bytes, kind, dtype, *sorted(extra.items()))
+        dedup_key = (prompt, kind, dtype, *sorted(extra.items()))
         pending = self.inflight.find(dedup_key)
         if pending is None:
-            pending = await self._new_request(dedup_key, token_bytes, kind, dtype, extra)
+            pending = await self._new_request(prompt, dedup_key, kind, dtype, extra)
         waiter = self.inflight.wait(pending)
         try:
             return await waiter
@@ -210,7 +211,7 @@ class RequestChannel:
             raise
 
     async def _new_request(
-        self, dedup_key: Hashable, token_bytes: bytes, kind: str, dtype: str, extra: dict[str, Any]
+        self, prompt: PromptKey, dedup_key: Hashable, kind: str, dtype: str, extra: dict[str, Any]
     ) -> Pending:
         """Take an in-flight permit (waiting within the deadline if all are taken) and submit.
 
@@ -235,10 +236,11 @@ class RequestChannel:
         remaining_s = max(timeout_s - (time.time() - started), 0.001) if timeout_s else 0
         deadline_ms = int((started + timeout_s) * 1000) if timeout_s else 0
         request = Request(
-            self.inflight.next_request_id(), self.client_id, token_bytes, kind, dtype,
-            deadline_ms, claims=kind == "logprobs" and self.claims.enabled, **extra,
+            self.inflight.next_request_id(), self.client_id, prompt.tokens, kind, dtype,
+            deadline_ms, claims=kind == "logprobs" and self.claims.enabled,
+            adapter=prompt.adapter, **extra,
         )  # fmt: skip
-        pending = self.inflight.add(request, dedup_key, remaining_s)
+        pending = self.inflight.add(request, prompt, dedup_key, remaining_s)
         self.submitter.submit(pending)
         return pending
 

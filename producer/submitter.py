@@ -120,7 +120,7 @@ class Submitter:
             return
         parts: dict[int, list[Pending]] = {}
         for pending in misses:
-            partition = self.partitioning.of(pending.request.token_bytes, pending.request.adapter)
+            partition = self.partitioning.of(pending.prompt)
             parts.setdefault(partition, []).append(pending)
         if len(parts) == 1:
             ((partition, part),) = parts.items()
@@ -137,7 +137,7 @@ class Submitter:
     async def _enqueue(self, admission: Admission, misses: list[Pending]) -> None:
         """Add `misses` to one stream; fail those a bound or quota refused."""
         envelopes = [encode_request(p.request)["m"] for p in misses]
-        tokens = [len(p.request.token_bytes) // 4 for p in misses]
+        tokens = [p.prompt.token_count for p in misses]
         try:
             await admission.enqueue(envelopes, tokens)
         except Busy as exc:  # QuotaExceeded too: the first `admitted` were enqueued
@@ -154,9 +154,7 @@ class Submitter:
         if self.cache is None or not lookups:
             return batch
         cache = self.cache
-        keys = [
-            cache.key(p.request.dtype, p.request.token_bytes, p.request.adapter) for p in lookups
-        ]
+        keys = [cache.key_of(p.prompt, p.request.dtype) for p in lookups]
         values = await cache.get_many(keys, [p.request.dtype for p in lookups])
         hits = set()
         for pending, value in zip(lookups, values, strict=True):

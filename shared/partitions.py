@@ -35,6 +35,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from .prompt_key import PromptKey
+
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "MAX_STEP_TOKENS",
@@ -106,12 +108,11 @@ class Partitioning:
         self.block_tokens = block_tokens
         self.memory = LineageMemory() if count > 1 else None
 
-    def of(self, token_bytes: bytes, adapter: str | None = None) -> int:
-        """The partition of a prompt given as little-endian int32 token bytes (and the LoRA
-        adapter it is asked under, None for the base model)."""
+    def of(self, prompt: PromptKey) -> int:
+        """The partition of a prompt (its tokens, under its adapter)."""
         if self.memory is None:
             return 0
-        salt = adapter_salt(adapter)
+        token_bytes, salt = prompt.tokens, adapter_salt(prompt.adapter)
         partition = self.memory.ancestor(token_bytes, salt)
         if partition is None:
             partition = block_partition(token_bytes, self.count, self.block_tokens, salt)

@@ -4,9 +4,9 @@ A value is one result vector as raw little-endian bytes, under a key made of mod
 result kind (``lp.float32``, ``lp.float16``) and a digest of the exact token tuple, so a new
 model revision or wire dtype never reads stale entries. A row of a LoRA adapter carries the
 adapter's name and revision too (its record in `adapters`), and a private adapter's rows stay
-in its tenant's own namespace even when the tenant shares a cache pool. Entries carry a TTL;
-memory is bounded by that TTL and, on a dedicated cache instance, by its LRU policy
-(ops/redis/cache.conf).
+in its tenant's own namespace even when the tenant shares a cache pool (the one spelling of
+those keys: `PromptKey.cache_key`). Entries carry a TTL; memory is bounded by that TTL and, on
+a dedicated cache instance, by its LRU policy (ops/redis/cache.conf).
 Cache operations are best effort: a failing cache slows requests down but never fails them.
 Writes report which entries were stored, because a worker may only hand out a claim-check (a
 reply naming a cache key instead of carrying the vector, see `shared.wire`) for an entry that
@@ -22,6 +22,7 @@ from typing import Any
 from .adapters import AdapterRecord
 from .connections import bounded, multi_get
 from .keys import KeySpace
+from .prompt_key import PromptKey
 from .wire import holds_vector, payload_bytes
 
 __all__ = ["SharedCache", "logprobs_kind"]
@@ -57,21 +58,19 @@ class SharedCache:
         #: The model's adapter records by name (kept current by the owner: client or worker).
         self.adapters: dict[str, AdapterRecord] = {}
 
-    def key(self, dtype: str, token_bytes: bytes, adapter: str | None = None) -> str:
-        """The cache key of the log-probabilities of `token_bytes` in `dtype` (under `adapter`).
+    def key_of(self, prompt: PromptKey, dtype: str) -> str:
+        """The cache key of `prompt`'s log-probabilities in `dtype` (`PromptKey.cache_key`).
 
         Raises:
-            KeyError: `adapter` is not in `adapters` (callers check names first).
+            KeyError: the prompt's adapter is not in `adapters` (callers check names first).
         """
-        if adapter is None:
-            return self._keys.cache_entry(
-                self._model, self._revision, logprobs_kind(dtype), token_bytes
-            )
-        record = self.adapters[adapter]
-        return self._keys.cache_entry(
-            self._model, self._revision, logprobs_kind(dtype), token_bytes,
-            adapter_tag=record.cache_tag(), own_namespace=record.tenant is not None,
-        )  # fmt: skip
+        return prompt.cache_key(
+            self._keys, self._model, self._revision, logprobs_kind(dtype), self.adapters
+        )
+
+    def key(self, dtype: str, token_bytes: bytes, adapter: str | None = None) -> str:
+        """`key_of` for a caller holding the raw fields: token bytes and adapter (None: base)."""
+        return self.key_of(PromptKey(adapter, token_bytes), dtype)
 
     async def get_many(
         self, keys: Sequence[str], dtypes: Sequence[str] | None = None

@@ -32,6 +32,7 @@ from lmqueue.shared.errors import (
 )
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.partitions import Partitioning
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
 from lmqueue.shared.wire import Request, decode_reply, decode_request, encode_request, ids_to_bytes
 from lmqueue.workers.backends.mock import MockAsyncLM
@@ -136,10 +137,10 @@ def test_cache_keys_carry_adapter_and_revision_and_private_rows_skip_the_pool():
 
 
 def test_partition_choice_depends_on_the_adapter():
-    prompts = [ids_to_bytes([n, n + 1, n + 2]) for n in range(200)]
-    base = [Partitioning(16).of(p) for p in prompts]
-    tuned = [Partitioning(16).of(p, "style") for p in prompts]
-    assert base == [Partitioning(16).of(p) for p in prompts]  # deterministic
+    prompts = [[n, n + 1, n + 2] for n in range(200)]
+    base = [Partitioning(16).of(PromptKey.of_ids(p)) for p in prompts]
+    tuned = [Partitioning(16).of(PromptKey.of_ids(p, "style")) for p in prompts]
+    assert base == [Partitioning(16).of(PromptKey.of_ids(p)) for p in prompts]  # deterministic
     assert sum(a != b for a, b in zip(base, tuned, strict=True)) > 150
 
 

@@ -9,12 +9,13 @@ import pytest
 
 from lmqueue.producer.inflight import InflightTable
 from lmqueue.shared.errors import DeadlineExceeded
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.wire import Reply, Request
 
 
 def _add(table: InflightTable, n: int, timeout_s: float):
     request = Request(f"c:{n}", "c", np.int32(n).tobytes())
-    pending = table.add(request, n, timeout_s)
+    pending = table.add(request, PromptKey.of_request(request), n, timeout_s)
     return pending, table.wait(pending)
 
 

@@ -24,6 +24,7 @@ from lmqueue.shared.partitions import (
     block_partition,
     owned_partitions,
 )
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
@@ -39,25 +40,29 @@ def _bytes(tokens: Sequence[int]) -> bytes:
     return np.asarray(tokens, dtype="<i4").tobytes()
 
 
+def _prompt(tokens: Sequence[int]) -> PromptKey:
+    return PromptKey.of_ids(tokens)
+
+
 # -- choosing a partition (pure) ---------------------------------------------------------------
 def test_every_continuation_of_a_prompt_goes_to_the_prompts_partition() -> None:
     rng = np.random.default_rng(1)
     partitioning = Partitioning(16, block_tokens=32)
     for _ in range(20):
         prompt = rng.integers(0, 49152, size=100).tolist()
-        first = partitioning.of(_bytes(prompt))
+        first = partitioning.of(_prompt(prompt))
         particles = [prompt + rng.integers(0, 49152, size=steps).tolist() for steps in range(1, 30)]
-        assert {Partitioning(16).of(_bytes(p)) for p in particles} == {first}
+        assert {Partitioning(16).of(_prompt(p)) for p in particles} == {first}
 
 
 def test_a_short_prompts_lineage_stays_together_through_the_clients_memory() -> None:
     partitioning = Partitioning(16, block_tokens=32)
     prompt = [5, 6, 7]  # shorter than the block: the stateless hash alone would hop
-    chosen = {partitioning.of(_bytes(prompt))}
+    chosen = {partitioning.of(_prompt(prompt))}
     lineage = list(prompt)
     for token in range(40):
         lineage.append(100 + token)
-        chosen.add(partitioning.of(_bytes(lineage)))
+        chosen.add(partitioning.of(_prompt(lineage)))
     assert len(chosen) == 1
     stateless = {
         block_partition(_bytes(prompt + list(range(100, 100 + n))), 16, 32) for n in range(30)
@@ -68,7 +73,7 @@ def test_a_short_prompts_lineage_stays_together_through_the_clients_memory() -> 
 def test_different_prompts_spread_over_every_partition() -> None:
     rng = np.random.default_rng(2)
     partitioning = Partitioning(8)
-    counts = Counter(partitioning.of(_bytes(rng.integers(0, 49152, size=40))) for _ in range(800))
+    counts = Counter(partitioning.of(_prompt(rng.integers(0, 49152, size=40))) for _ in range(800))
     assert set(counts) == set(range(8))
     assert max(counts.values()) < 2 * min(counts.values())
 
@@ -83,7 +88,7 @@ def test_lineage_memory_is_bounded() -> None:
 
 
 def test_one_partition_means_the_one_stream_of_before() -> None:
-    assert Partitioning(1).of(_bytes([1, 2, 3])) == 0
+    assert Partitioning(1).of(_prompt([1, 2, 3])) == 0
     assert KEYS.requests(MODEL) == "lmq:default:model:{mock}:requests"
     assert KEYS.requests(MODEL, 3) == "lmq:default:model:{mock:3}:requests"
     assert KEYS.quota_copies(MODEL, 1) == [KEYS.quota(MODEL)]

@@ -14,6 +14,7 @@ from lmqueue.producer.inflight import InflightTable
 from lmqueue.producer.submitter import Submitter
 from lmqueue.shared.errors import Busy, QuotaExceeded, Unavailable, from_wire, to_wire
 from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request
 from lmqueue.tenant_admin import TenantAdmin
@@ -132,7 +133,7 @@ async def test_the_submitter_fails_only_the_refused_requests(admin: TenantAdmin)
     pendings = []
     for i in range(3):
         request = Request(inflight.next_request_id(), "c1", bytes([i, 0, 0, 0]))
-        pendings.append(inflight.add(request, i, 10.0))
+        pendings.append(inflight.add(request, PromptKey.of_request(request), i, 10.0))
     waiters = [inflight.wait(p) for p in pendings]
     await submitter._send(pendings)
     assert submitter.sent == 2

@@ -14,9 +14,10 @@ The steps, each cheap before the expensive one:
 4. encode vectors once per (prompt, dtype) and answer every request; a fresh result the
    worker writes to the shared cache goes to clients that resolve claim-checks as one.
 
-A prompt is always paired with the LoRA adapter it is asked under (`Prompt`): de-duplication,
-cache keys and backend calls never mix rows of two adapters. Admission checks the adapter
-against the worker's `AdapterSet` for the lane's tenant (served? private to another tenant?).
+A prompt is always paired with the LoRA adapter it is asked under (`PromptKey`, built once per
+request at admission): de-duplication, cache keys and backend calls never mix rows of two
+adapters. Admission checks the adapter against the worker's `AdapterSet` for the lane's tenant
+(served? private to another tenant?).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from lmqueue.shared.errors import (
 from lmqueue.shared.keys import validate_client_id
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import (
@@ -66,9 +68,6 @@ __all__ = ["BatchProcessor", "ForwardGate", "MassComputer"]
 logger = logging.getLogger(__name__)
 
 _VALID_CLIENTS_KEPT = 4096
-
-#: A distinct computation: the adapter ("" for the base model) and the prompt's token bytes.
-Prompt = tuple[str, bytes]
 
 
 class MassComputer(Protocol):
@@ -94,10 +93,11 @@ class MassComputer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """An admitted request and the entry it came from."""
+    """An admitted request, the entry it came from, and what it computes."""
 
     entry: Entry
     request: Request
+    prompt: PromptKey
 
 
 class ForwardGate:
@@ -199,7 +199,7 @@ class BatchProcessor:
                 await self.adapters.refresh()
             jobs += [job for e in unknown if (job := self._admit(e, outcome, now_ms)) is not None]
         if self.metrics is not None:
-            tokens = sum(len(job.request.token_bytes) for job in jobs) // 4  # int32 ids
+            tokens = sum(job.prompt.token_count for job in jobs)
             self.metrics.observe_batch(len(entries), tokens)
         try:
             if jobs:
@@ -242,7 +242,7 @@ class BatchProcessor:
             logger.info("request %s refused: %s", request.request_id, exc.message)
             outcome.error(request.client_id, request.request_id, exc)
             return None
-        return _Job(entry, request)
+        return _Job(entry, request, PromptKey.of_request(request))
 
     def _check(self, entry: Entry, request: Request, now_ms: float) -> None:
         size = sum(map(len, entry.fields.values()))
@@ -270,9 +270,9 @@ class BatchProcessor:
     async def _answer(
         self, jobs: list[_Job], outcome: Outcome, forward: ForwardPart | None = None
     ) -> None:
-        wanted: dict[Prompt, set[str]] = {}
+        wanted: dict[PromptKey, set[str]] = {}
         for job in jobs:
-            wanted.setdefault(_prompt(job.request), set()).add(_vector_dtype(job.request))
+            wanted.setdefault(job.prompt, set()).add(_vector_dtype(job.request))
         payloads = await self._cached_payloads(wanted)
         missing = sorted(
             prompt
@@ -284,9 +284,9 @@ class BatchProcessor:
         if missing and self.metrics is not None:
             self.metrics.observe_forward(time.perf_counter() - started)
         outcome.computed_prompts += len(missing)
-        outcome.computed_tokens += sum(len(prompt[1]) // 4 for prompt in missing)
+        outcome.computed_tokens += sum(prompt.token_count for prompt in missing)
         #: (prompt, dtype) -> the cache key its payload is being written under
-        written: dict[tuple[Prompt, str], str] = {}
+        written: dict[tuple[PromptKey, str], str] = {}
         for prompt in missing:
             result = computed[prompt]
             if isinstance(result, BaseException):
@@ -295,13 +295,12 @@ class BatchProcessor:
                 payload = deferred_payload(result, dtype)  # converted on the writer thread
                 payloads[(prompt, dtype)] = payload
                 if self.cache is not None:
-                    key = self.cache.key(dtype, prompt[1], prompt[0] or None)
+                    key = self.cache.key_of(prompt, dtype)
                     written[(prompt, dtype)] = key
                     outcome.cache_puts.append((key, payload))
         masses = []  # computed together: whole-vector masses share one bulk trie call
         for job in jobs:
-            request = job.request
-            prompt = _prompt(request)
+            request, prompt = job.request, job.prompt
             failure = computed.get(prompt)
             if isinstance(failure, BaseException):
                 outcome.error(request.client_id, request.request_id, failure)
@@ -322,16 +321,16 @@ class BatchProcessor:
         await asyncio.gather(*masses)
 
     async def _cached_payloads(
-        self, wanted: dict[Prompt, set[str]]
-    ) -> dict[tuple[Prompt, str], Payload]:
+        self, wanted: dict[PromptKey, set[str]]
+    ) -> dict[tuple[PromptKey, str], Payload]:
         if self.cache is None:
             return {}
         keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
         values = await self.cache.get_many(
-            [self.cache.key(dtype, prompt[1], prompt[0] or None) for prompt, dtype in keys],
+            [self.cache.key_of(prompt, dtype) for prompt, dtype in keys],
             [dtype for _, dtype in keys],
         )
-        found: dict[tuple[Prompt, str], Payload] = {
+        found: dict[tuple[PromptKey, str], Payload] = {
             key: value for key, value in zip(keys, values, strict=True) if value is not None
         }
         if self.metrics is not None:
@@ -354,8 +353,8 @@ class BatchProcessor:
         )  # fmt: skip
 
     async def _compute(
-        self, prompts: list[Prompt], forward: ForwardPart | None = None
-    ) -> dict[Prompt, Any]:
+        self, prompts: list[PromptKey], forward: ForwardPart | None = None
+    ) -> dict[PromptKey, Any]:
         """Log-probabilities (tensor) or the final error of each distinct prompt.
 
         With `forward`, the call waits for the batch's other parts, and reports when done.
@@ -370,7 +369,7 @@ class BatchProcessor:
             if forward is not None:
                 forward.computed()
 
-    async def _compute_now(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
+    async def _compute_now(self, prompts: list[PromptKey]) -> dict[PromptKey, Any]:
         async with self.gate.shared():
             results = await self._run(prompts)
         failures = [p for p in prompts if _is_forward_failure(results[p])]
@@ -380,19 +379,17 @@ class BatchProcessor:
                 results.update(await self._isolate(failures))
         return {p: _final(r) for p, r in results.items()}
 
-    async def _run(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
+    async def _run(self, prompts: list[PromptKey]) -> dict[PromptKey, Any]:
         """The backend's result or error for each prompt, all in one call (one forward)."""
-        outputs = await self.backend.logprobs_batch(
-            [(adapter or None, _bytes_to_ids_list(p)) for adapter, p in prompts]
-        )
+        outputs = await self.backend.logprobs_batch([(p.adapter, p.ids()) for p in prompts])
         return dict(zip(prompts, outputs, strict=True))
 
-    async def _isolate(self, prompts: list[Prompt]) -> dict[Prompt, Any]:
+    async def _isolate(self, prompts: list[PromptKey]) -> dict[PromptKey, Any]:
         """Re-run failed prompts in halves, one half at a time, until each failure is alone."""
         if len(prompts) == 1:
             return await self._run(prompts)
         middle = len(prompts) // 2
-        results: dict[Prompt, Any] = {}
+        results: dict[PromptKey, Any] = {}
         for half in (prompts[:middle], prompts[middle:]):
             outputs = await self._run(half)
             failed = [p for p in half if _is_forward_failure(outputs[p])]
@@ -400,16 +397,6 @@ class BatchProcessor:
             if len(failed) > 1:
                 results.update(await self._isolate(failed))
         return results
-
-
-def _bytes_to_ids_list(token_bytes: bytes) -> list[int]:
-    """The prompt's ids as a list of Python ints."""
-    return np.frombuffer(token_bytes, dtype="<i4").tolist()
-
-
-def _prompt(request: Request) -> Prompt:
-    """What a request computes: its adapter ("" for the base model) and its prompt."""
-    return (request.adapter or "", request.token_bytes)
 
 
 def _vector_dtype(request: Request) -> str:

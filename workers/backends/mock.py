@@ -15,6 +15,7 @@ from lmqueue.shared.adapters import adapter_revision
 from lmqueue.shared.errors import ModelError, SettingsError, UnknownAdapter
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.validation import check_loaded_adapter
+from lmqueue.shared.wire import ids_to_bytes
 
 from .options import check_options
 
@@ -135,7 +136,7 @@ class MockAsyncLM(AsyncLM):
         """The deterministic log-probability vector of one prompt (under a loaded adapter)."""
         ids = self.check_prompt(token_ids)
         check_loaded_adapter(lora_name, self.adapter_names)
-        token_bytes = np.asarray(ids, dtype="<i4").tobytes()
+        token_bytes = ids_to_bytes(ids)  # the bytes its requests travel as
         digest = hashlib.blake2b(token_bytes, digest_size=8).digest()
         seed = int.from_bytes(digest, "little")
         base = self._vectors[seed % len(self._vectors)] if self._vectors else None

@@ -1,0 +1,98 @@
+"""`PromptKey`: what one computation is: the LoRA adapter it runs under and the prompt's tokens.
+
+Every layer that de-duplicates, caches or addresses a prompt keys it with this one type: the
+client's local LRU and in-flight table (`producer`), the worker's batch de-duplication
+(`workers.processor`) and the shared cache's Redis keys (`cache_key`, laid out by
+`shared.keys.KeySpace.cache_entry`). The base model is spelled ``None``, never ``""`` (the
+constructor refuses ``""``); the tokens are the prompt's little-endian int32 bytes, exactly as
+they travel in a request (`shared.wire`). A key is built once, where a request enters a process
+(`of_ids` on the client, `of_request` on the worker), and travels with it.
+
+The backends stand behind the `AsyncLM` interface, which speaks token ids (`ids`): their own
+queues and prefix tries key on the adapter and the ids, with the same ``None`` for the base.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .wire import bytes_to_ids, ids_to_bytes
+
+if TYPE_CHECKING:
+    from .adapters import AdapterRecord
+    from .keys import KeySpace
+    from .wire import Request
+
+__all__ = ["PromptKey"]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKey:
+    """A prompt's identity: its adapter (None: the base model) and its int32 token bytes.
+
+    Hashable and immutable; sorted, base-model keys come first, then by adapter name, then by
+    tokens.
+
+    Raises:
+        ValueError: for the adapter ``""`` (the base model is ``None``).
+    """
+
+    adapter: str | None
+    tokens: bytes
+
+    def __post_init__(self) -> None:
+        if self.adapter == "":
+            raise ValueError("the base model's adapter is None, not ''")
+
+    @classmethod
+    def of_ids(cls, ids: Any, adapter: str | None = None) -> PromptKey:
+        """The key of token ids (a sequence of ints or an integer array) under `adapter`."""
+        return cls(adapter, ids_to_bytes(ids))
+
+    @classmethod
+    def of_request(cls, request: Request) -> PromptKey:
+        """The key of a request's wire fields: its token bytes and its adapter."""
+        return cls(request.adapter, request.token_bytes)
+
+    @property
+    def token_count(self) -> int:
+        """How many tokens the prompt has."""
+        return len(self.tokens) // 4
+
+    def ids(self) -> list[int]:
+        """The prompt's token ids, as the `AsyncLM` interface takes them."""
+        ids: list[int] = bytes_to_ids(self.tokens).tolist()
+        return ids
+
+    def cache_key(
+        self,
+        keys: KeySpace,
+        model: str,
+        revision: str,
+        kind: str,
+        adapters: Mapping[str, AdapterRecord],
+    ) -> str:
+        """The shared-cache key of this prompt's result of `kind` (``lp.float32``, ...).
+
+        An adapter's rows carry its name and revision (its record in `adapters`), and a
+        private adapter's rows stay in its tenant's own namespace.
+
+        Raises:
+            KeyError: the adapter has no record in `adapters` (callers check names first).
+        """
+        if self.adapter is None:
+            return keys.cache_entry(model, revision, kind, self.tokens)
+        record = adapters[self.adapter]
+        return keys.cache_entry(
+            model, revision, kind, self.tokens,
+            adapter_tag=record.cache_tag(), own_namespace=record.tenant is not None,
+        )  # fmt: skip
+
+    def __lt__(self, other: PromptKey) -> bool:
+        if self.adapter == other.adapter:
+            return self.tokens < other.tokens
+        if self.adapter is None or other.adapter is None:
+            return self.adapter is None
+        return self.adapter < other.adapter

@@ -87,9 +87,17 @@ class RequestChannel:
         stall_timeout_s = settings.redis.stall_timeout_s
         self.permits = InflightPermits(settings.max_inflight)
         self.inflight = InflightTable(self.client_id, on_settled=self.permits.release)
+        #: The model's adapter records, kept current in place (`set_adapters`) for the cache.
+        self._adapter_records: dict[str, AdapterRecord] = {}
         shared = (
             SharedCache(
-                cache_redis, keys, info.name, info.revision, stall_timeout_s, info.vector_size
+                cache_redis,
+                keys,
+                info.name,
+                info.revision,
+                stall_timeout_s,
+                info.vector_size,
+                self._adapter_records,
             )
             if settings.use_shared_cache
             else None
@@ -152,8 +160,8 @@ class RequestChannel:
 
     def set_adapters(self, records: dict[str, AdapterRecord]) -> None:
         """The model's adapter records, for the cache keys of adapters' rows."""
-        if self.submitter.cache is not None:
-            self.submitter.cache.adapters = records
+        self._adapter_records.clear()
+        self._adapter_records.update(records)
 
     def adopt(self, info: ModelInfo) -> None:
         """Send by the model's info as re-published (a new backlog bound or partitioning)."""

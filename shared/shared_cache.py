@@ -46,6 +46,7 @@ class SharedCache:
         revision: str,
         timeout_s: float = 10.0,
         vector_size: int = 0,
+        adapters: dict[str, AdapterRecord] | None = None,
     ) -> None:
         self.redis = redis
         self.timeout_s = timeout_s
@@ -55,8 +56,9 @@ class SharedCache:
         self._keys = keys
         self._model = model
         self._revision = revision
-        #: The model's adapter records by name (kept current by the owner: client or worker).
-        self.adapters: dict[str, AdapterRecord] = {}
+        #: The model's adapter records by name: the owner's own dict (client or worker), which
+        #: it keeps current in place; an adapter's keys carry its record's revision.
+        self.adapters: dict[str, AdapterRecord] = {} if adapters is None else adapters
 
     def key_of(self, prompt: PromptKey, dtype: str) -> str:
         """The cache key of `prompt`'s log-probabilities in `dtype` (`PromptKey.cache_key`).

@@ -166,8 +166,6 @@ class BatchProcessor:
         self.cache = cache
         self.adapters = adapters
         self.tenant = tenant
-        if cache is not None and adapters is not None:
-            cache.adapters = adapters.served  # the same dict: kept current by the refresh
         self.max_prompt_tokens = max_prompt_tokens or backend.max_prompt_tokens
         self.max_request_bytes = max_request_bytes
         self.mass_computer = masses

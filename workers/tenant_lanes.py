@@ -154,6 +154,7 @@ class TenantLanes:
             cache = SharedCache(
                 self.cache_redis, keys, info.name, info.revision,
                 settings.redis.stall_timeout_s, info.vector_size,
+                self.adapters.served if self.adapters is not None else None,
             )  # fmt: skip
         processor = BatchProcessor(
             self.backend, cache, info.max_prompt_tokens, settings.max_request_bytes, self.masses,

@@ -19,6 +19,7 @@ from lmqueue.local_redis import LocalRedis
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
 from lmqueue.scheduler.kinds.sample import draw_samples
+from lmqueue.scheduler.smc_sampler import lipogram_mask, run_smc
 from lmqueue.shared.errors import (
     BadRequest,
     Forbidden,
@@ -27,7 +28,6 @@ from lmqueue.shared.errors import (
     UnknownModel,
 )
 from lmqueue.shared.keys import KeySpace
-from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin

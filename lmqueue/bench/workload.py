@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lmqueue.shared.lm.smc import SMCResult, lipogram_mask, run_smc
+from lmqueue.scheduler.smc_sampler import SMCResult, lipogram_mask, run_smc
 
 __all__ = ["PROMPT_TEXT", "Workload", "bench_prompt", "result_figures"]
 

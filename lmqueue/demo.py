@@ -24,8 +24,7 @@ from lmqueue.shared.errors import ModelError, SettingsError, UnknownModel
 from lmqueue.shared.failures import configure_logging
 from lmqueue.shared.settings import configured_redis_url
 
-from .local_redis import LocalRedis
-from .worker_processes import WorkerProcess
+from .devstack import LocalRedis, WorkerProcess
 
 __all__ = ["add_arguments", "run"]
 

@@ -197,7 +197,7 @@ def _batch_args(args: argparse.Namespace) -> list[str]:
 
 
 def _worker(model: str, url: str, name: str, threads: int, extra: list[str] | None = None) -> Any:
-    from lmqueue.worker_processes import WorkerProcess
+    from lmqueue.devstack import WorkerProcess
 
     log_dir = Path(tempfile.gettempdir()) / "lmq-bench-adapters-logs"
     log_dir.mkdir(exist_ok=True)

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmqueue.devstack import free_port
 from lmqueue.shared.settings import ClientSettings
 
-from ..local_redis import free_port
 from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure
 from .stack import (
     CpuMeter,

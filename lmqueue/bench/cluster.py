@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmqueue.devstack import WorkerProcess
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from ..worker_processes import WorkerProcess
 from .memory_bounds import MemorySampler, derive_bounds, model_figures, reset_peak_rss, vm_hwm
 from .report import DEFAULT_OUT_DIR, Report, command_parser
 from .stack import connect_client, redis_server, worker_pool

@@ -29,14 +29,12 @@ from typing import Any
 
 import redis
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalCluster, LocalRedis, WorkerProcess, child_environment
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 from lmqueue.tenant_admin import TenantAdmin, user_url
-from lmqueue.worker_processes import WorkerProcess, child_environment
 
 __all__ = ["Rig", "RigConfig", "ClientProcess"]
 

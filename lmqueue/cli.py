@@ -5,7 +5,7 @@ lmq submit "The capital of France is" --top-k 5  (or -, or --prompt-file F)  ask
 lmq demo                                                               the whole pipeline
 lmq scheduler --redis-url redis://...                                  run experiments
 lmq experiment {submit,status,list,cancel,results} ...                 manage experiments
-lmq bench {transport,model,scaling,cache,memory,trie,all}              benchmarks
+lmq bench COMMAND [flags]        (lmq bench --help lists them)         benchmarks
 lmq tenant {add,set,list,remove,worker-user}                           tenants and ACL users
 lmq adapter {add,list,remove} MODEL ...                                LoRA adapters by name
 lmq keda-triggers --model MODEL                                        KEDA triggers per tenant

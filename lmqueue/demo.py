@@ -19,13 +19,12 @@ import time
 from collections.abc import Iterator
 
 from lmqueue.producer import QueueLM
+from lmqueue.scheduler.smc_sampler import SMCResult, lipogram_mask, run_smc
 from lmqueue.shared.errors import ModelError, SettingsError, UnknownModel
 from lmqueue.shared.failures import configure_logging
-from lmqueue.shared.lm.smc import SMCResult, lipogram_mask, run_smc
 from lmqueue.shared.settings import configured_redis_url
 
-from .local_redis import LocalRedis
-from .worker_processes import WorkerProcess
+from .devstack import LocalRedis, WorkerProcess
 
 __all__ = ["add_arguments", "run"]
 

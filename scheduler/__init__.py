@@ -7,6 +7,7 @@ run           one start of one experiment: limit, leases, cancel, final status
 context       what a kind sees: checkpoint (rows + resume state, atomic), progress
 limits        the per-tenant running limit (leases in a zset)
 kinds         score, sample, smc, and custom "module:function" kinds
+smc_sampler   the SMC sampler of the smc kind (numpy; the demo and benchmarks run it too)
 acl           the ACL rules a tenant needs for its experiments
 serialization arq's msgpack job serializer
 """

@@ -14,7 +14,6 @@ import contextlib
 import time
 from typing import Any
 
-import torch
 from arq import cron
 from arq.cron import CronJob
 from arq.worker import func
@@ -48,6 +47,10 @@ async def _startup(ctx: dict[str, Any]) -> None:
     # Experiments do small-vector math (one 50k-vector per particle and step) on the event
     # loop; torch's intra-op threads only contend for the cores (10x slower here, measured:
     # 5 SMC steps x 6 particles took 1.4 s with 2 threads under load, 0.14 s with 1).
+    # Imported here: importing `lmqueue.scheduler` (as the demo does, for the sampler) needs no
+    # torch.
+    import torch
+
     torch.set_num_threads(1)
     planes: Planes = ctx["planes"]
     kinds = resolve_kinds(settings.kinds)

@@ -204,7 +204,7 @@ async def smc_one(kind: str, model: Any, tok: Any, workload: Any, profile: bool,
 
 
 def part_smc(tok: Any) -> None:
-    from lmqueue.bench.workload import Workload
+    from lmqueue.bench.lib.workload import Workload
     from lmqueue.shared.lm.vocab import decode_vocab
 
     model = build(tok, "big", torch.float32 if TINY else torch.bfloat16)

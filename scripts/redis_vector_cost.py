@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 
 SIZES = {"49,152": 49152, "128k (131,072)": 131072, "151,936": 151936}
 BYTES = {"float32": 4, "float16": 2}

@@ -12,8 +12,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis, free_port
+from lmqueue.devstack import LocalCluster, LocalRedis, free_port
 
 SMOL = "smollm2-135m"
 ENGINE_CLASSES = Path(__file__).resolve().parent.parent / ".engine-classes"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmqueue.bench.adapter_models import make_random_adapter
+from lmqueue.bench.lib.adapter_models import make_random_adapter
 
 
 def make_adapter(model_dir: str | Path, out_dir: str | Path, seed: int, rank: int = 4) -> Path:

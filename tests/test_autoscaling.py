@@ -33,11 +33,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from lmqueue.devstack import WorkerProcess
 from lmqueue.producer.admission import Admission
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
 from lmqueue.status import collect_status
-from lmqueue.worker_processes import WorkerProcess
 
 MODEL = "smollm2-135m"
 KEYS = KeySpace()

@@ -93,12 +93,10 @@ def test_the_environment_is_read_only_by_shared_settings():
             if re.search(r"os\.environ\b|os\.getenv\b|getenv\(", text):
                 readers.append(str(path.relative_to(ROOT)))
     assert sorted(readers) == [
-        # passes the environment on to a child process (plain vLLM); reads no setting
-        "lmqueue/bench/engines.py",
-        # the plain-vLLM child of that benchmark configures vLLM the way the backend does
-        "lmqueue/bench/plain_vllm.py",
-        # the child-process launcher passes the environment on to workers; it reads no setting
-        "lmqueue/worker_processes.py",
+        # the plain-vLLM child of ``lmq bench engines`` configures vLLM the way the backend does
+        "lmqueue/bench/lib/plain_vllm.py",
+        # the child-process launcher passes the environment on to its children; reads no setting
+        "lmqueue/devstack/process.py",
         "shared/settings.py",
         # sets vLLM's own variables before vLLM reads them (its executor and OpenMP threads,
         # keeping an OMP_NUM_THREADS the operator chose): engine configuration, not lmqueue's

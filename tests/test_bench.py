@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("psutil")
 
 from lmqueue.bench import main as bench_main  # noqa: E402
-from lmqueue.bench.load import Window, distinct_prompt, percentile  # noqa: E402
+from lmqueue.bench.lib.load import Window, distinct_prompt, percentile  # noqa: E402
 
 
 def _last_line(out: str) -> str:
@@ -205,7 +205,7 @@ def test_affinity_benchmark_counts_the_prompt_tokens_each_configuration_computed
 
 def test_the_anchor_grid_holds_its_defaults_the_particle_count_and_lmqueues_settings() -> None:
     pytest.importorskip("genlm.backend")
-    from lmqueue.bench.anchor_grid import best, grid
+    from lmqueue.bench.lib.anchor_grid import best, grid
 
     points = grid(16)
     assert [(p.batch_size, p.timeout_s) for p in points] == [
@@ -219,7 +219,7 @@ def test_the_anchor_grid_holds_its_defaults_the_particle_count_and_lmqueues_sett
 
 
 def test_a_tail_shows_in_the_histogram_and_the_worst_run_is_the_figure() -> None:
-    from lmqueue.bench.tails import latency_figures, spread
+    from lmqueue.bench.lib.tails import latency_figures, spread
 
     values = [0.08] * 990 + [0.45] * 10  # one held forward's calls
     figures = latency_figures(values)

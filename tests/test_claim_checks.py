@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer import QueueLM
 from lmqueue.producer.claims import ClaimResolver
 from lmqueue.shared.connections import async_redis

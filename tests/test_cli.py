@@ -85,7 +85,7 @@ def test_the_worker_refuses_options_it_cannot_honour_before_loading(flags, says)
 
 
 def test_submit_labels_its_columns_and_reads_the_prompt_from_stdin_or_a_file(redis_url, tmp_path):
-    from lmqueue.worker_processes import WorkerProcess
+    from lmqueue.devstack import WorkerProcess
 
     worker = WorkerProcess("smollm2-135m", "mock", redis_url, "submit-0", log_dir=tmp_path)
     worker.start()
@@ -148,7 +148,7 @@ def test_a_wrong_password_is_refused_at_once_with_exit_2_and_the_url_masked():
 
     import redis
 
-    from lmqueue.local_redis import LocalRedis
+    from lmqueue.devstack import LocalRedis
 
     with LocalRedis() as server:
         redis.Redis.from_url(server.url).config_set("requirepass", "the-right-one")

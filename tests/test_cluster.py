@@ -20,6 +20,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from lmqueue.devstack import WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.producer.slot_pipe import SlotPipe
@@ -34,7 +35,6 @@ from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN, translate
 from lmqueue.shared.registry import ModelInfo, ModelRegistry
 from lmqueue.shared.settings import ClientSettings, RedisSettings
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 from workers_in_threads import ThreadedWorker
 

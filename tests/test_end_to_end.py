@@ -14,11 +14,10 @@ import pytest
 import redis
 import torch
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import EmptyPrompt, TokenOutOfVocabulary, UnknownModel
 from lmqueue.shared.keys import KeySpace
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 
 

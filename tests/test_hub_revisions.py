@@ -22,8 +22,8 @@ import redis
 import torch
 
 from lmqueue import QueueLM
+from lmqueue.devstack import WorkerProcess
 from lmqueue.shared.errors import SettingsError, UnknownModel
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers import models
 
 REPO = "lmq-test/tiny-llama"

@@ -95,3 +95,28 @@ def test_no_two_modules_import_each_other_directly_or_around_a_circle() -> None:
         if start not in state:
             visit(start, [start])
     assert cycles == []
+
+
+def test_bench_commands_share_only_the_harness() -> None:
+    """A benchmark command imports `lmqueue.bench.lib` (and its own package), never another
+    command; the harness imports no command."""
+    modules = _modules()
+    commands = {
+        name
+        for name in modules
+        if name.startswith("lmqueue.bench.")
+        and not name.startswith("lmqueue.bench.lib")
+        and name not in ("lmqueue.bench.commands", "lmqueue.bench.__main__")
+    }
+
+    def command_of(module: str) -> str:
+        return ".".join(module.split(".")[:3])  # lmqueue.bench.<command>[.<part>]
+
+    crossing = [
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if name in commands or name.startswith("lmqueue.bench.lib")
+        for target in _imports(name, path, modules)
+        if target in commands and command_of(target) != command_of(name)
+    ]
+    assert crossing == []

@@ -18,11 +18,10 @@ import redis
 import torch
 
 from lmqueue.cli import main
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.shared.errors import AuthenticationFailed
 from lmqueue.shared.keys import KeySpace
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 
 MODEL = "smollm2-135m"

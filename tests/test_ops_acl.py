@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 

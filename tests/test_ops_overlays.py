@@ -22,8 +22,8 @@ import redis
 import yaml
 from test_manifests import OVERLAYS, by_kind, container_env, rendered
 
+from lmqueue.devstack import LocalRedis
 from lmqueue.keda_triggers import served_tenants, stream_triggers
-from lmqueue.local_redis import LocalRedis
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.partitions import stream_partitions
 from lmqueue.shared.tenants import TenantConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from lmqueue.local_redis import free_port
+from lmqueue.devstack import free_port, stop_process
 
 OPS_REDIS = Path(__file__).resolve().parent.parent / "ops" / "redis"
 
@@ -69,5 +69,4 @@ def test_a_redis_server_started_from_the_conf_listens_on_loopback_with_its_polic
         assert client.config_get("maxmemory-policy")["maxmemory-policy"] == policy
     finally:
         client.close()
-        process.terminate()
-        process.wait(10)
+        stop_process(process, grace_s=10)

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError
 from test_adapters import _retry_unknown, fake_adapter
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 from lmqueue.producer import QueueLM
 from lmqueue.shared.adapter_views import MOVE_LUA
 from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision

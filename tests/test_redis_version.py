@@ -15,7 +15,7 @@ import redis
 import redis.asyncio as aioredis
 from version_proxy import VersionProxy
 
-from lmqueue.local_redis import LocalRedis, free_port
+from lmqueue.devstack import LocalRedis, WorkerProcess, free_port
 from lmqueue.shared.errors import SettingsError
 from lmqueue.shared.redis_version import (
     MINIMUM,
@@ -23,7 +23,6 @@ from lmqueue.shared.redis_version import (
     check_redis_version,
     parse_version,
 )
-from lmqueue.worker_processes import WorkerProcess
 
 
 @pytest.mark.parametrize(

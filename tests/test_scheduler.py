@@ -15,10 +15,11 @@ import pytest
 import redis
 import torch
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.kinds.regex_constraint import RegexConstraint
 from lmqueue.scheduler.kinds.sample import draw_samples
+from lmqueue.scheduler.smc_sampler import lipogram_mask, run_smc
 from lmqueue.shared.errors import (
     BadRequest,
     Forbidden,
@@ -27,11 +28,9 @@ from lmqueue.shared.errors import (
     UnknownModel,
 )
 from lmqueue.shared.keys import KeySpace
-from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 from scheduler_processes import SchedulerProcess
 

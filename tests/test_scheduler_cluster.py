@@ -18,15 +18,13 @@ from typing import Any
 import pytest
 import redis
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalCluster, LocalRedis, WorkerProcess
 from lmqueue.producer import Experiments
 from lmqueue.scheduler.main import main as scheduler_main
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.mock import MockAsyncLM
 from scheduler_processes import SchedulerProcess
 

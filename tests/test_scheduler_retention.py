@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer import Experiments
 from lmqueue.shared.keys import KeySpace
 from scheduler_processes import SchedulerProcess

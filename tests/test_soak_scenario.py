@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from lmqueue.bench.report import command_parser
+from lmqueue.bench.commands import build_parser
 from lmqueue.bench.soak import run as soak
 
 pytestmark = pytest.mark.scenario
 
 
 def test_a_minute_of_faults_loses_duplicates_and_falsifies_nothing(tmp_path: Path) -> None:
-    parser = command_parser("soak", None)
-    soak.add_arguments(parser)
-    args = parser.parse_args(
-        ["--minutes", "1", "--fault-every-s", "13", "--out-dir", str(tmp_path)]
+    args = build_parser("soak").parse_args(
+        ["soak", "--minutes", "1", "--fault-every-s", "13", "--out-dir", str(tmp_path)]
     )
+    del args.command
     result = soak.run(args)
     figures, ratios = result["figures"], result["ratios"]
     kinds = {event["kind"] for key, event in figures.items() if key.startswith("fault_")}

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmqueue.worker_processes import WorkerProcess
+from lmqueue.devstack import WorkerProcess
 from lmqueue.workers.startup_line import describe_backend, startup_line
 
 

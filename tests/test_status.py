@@ -17,7 +17,7 @@ import redis.exceptions
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmqueue import status as status_command
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer.admission import Admission
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
@@ -155,7 +155,7 @@ async def test_the_command_prints_json_and_text(redis_url, fleet, cache_server, 
 
 def test_an_unreachable_redis_is_one_line_and_exit_code_1(capsys) -> None:
     from lmqueue.cli import main
-    from lmqueue.local_redis import free_port
+    from lmqueue.devstack import free_port
 
     code = main(["status", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"])
     assert code == 1
@@ -173,7 +173,7 @@ async def test_worker_stats_round_trip_and_expire(aredis, redis_url) -> None:
 
 
 async def test_the_exporter_serves_the_status_as_metrics(aredis, fleet, cache_redis) -> None:
-    from lmqueue.local_redis import free_port
+    from lmqueue.devstack import free_port
     from lmqueue.status_metrics import serve_status_metrics
 
     await aredis.zadd(KEYS.model_workers(MODEL), {"crashed": 1})  # a heartbeat from 1970
@@ -291,13 +291,12 @@ def test_watch_refreshes_until_interrupted(redis_url) -> None:
 def test_a_killed_worker_is_marked_stale_and_one_instance_is_said_to_be_one(
     redis_url, tmp_path, capsys
 ) -> None:
-    import signal
     import time
 
     import redis as redis_sync
 
     from lmqueue.cli import main
-    from lmqueue.worker_processes import WorkerProcess
+    from lmqueue.devstack import WorkerProcess
 
     worker = WorkerProcess("smollm2-135m", "mock", redis_url, "doomed-0", log_dir=tmp_path)
     worker.start()
@@ -307,8 +306,7 @@ def test_a_killed_worker_is_marked_stale_and_one_instance_is_said_to_be_one(
         while not admin.zcard(KEYS.model_workers("smollm2-135m")):
             assert time.monotonic() < deadline and worker.alive, worker.log()
             time.sleep(0.2)
-        worker.signal(signal.SIGKILL)
-        worker.process.wait()  # type: ignore[union-attr]
+        worker.kill()
         # as if 20 s had passed since its last heartbeat
         admin.zadd(
             KEYS.model_workers("smollm2-135m"), {"doomed-0": int(time.time() * 1000) - 20_000}

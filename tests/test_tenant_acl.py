@@ -19,8 +19,7 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalCluster, LocalRedis
 from lmqueue.shared.admission_script import ADMISSION_LUA, ADMISSION_SHA
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 from lmqueue.shared.connections import sync_redis
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 from lmqueue.tenant_admin import TenantAdmin

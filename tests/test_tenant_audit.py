@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 from test_adapters import _retry_unknown, fake_adapter
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer import Experiments, QueueLM
 from lmqueue.shared.adapters import AdapterRecord, AdapterRegistry, adapter_revision
 from lmqueue.shared.admission_script import ADMISSION_SHA

@@ -109,7 +109,7 @@ def test_adding_a_tenant_twice_is_refused(
 def test_a_separate_cache_instance_gets_the_same_users(
     admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmqueue.local_redis import LocalRedis
+    from lmqueue.devstack import LocalRedis
 
     with LocalRedis() as cache_server:
         code, out, _ = _lmq(capsys, redis_url, "add", "erin", "--cache-url", cache_server.url)
@@ -135,7 +135,7 @@ def test_the_connection_flags_go_after_the_action_too(
 def test_the_cache_the_workers_publish_gets_the_user_without_a_flag(
     admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmqueue.local_redis import LocalRedis
+    from lmqueue.devstack import LocalRedis
     from lmqueue.shared.registry import ModelInfo
 
     with LocalRedis() as cache_server:
@@ -150,7 +150,7 @@ def test_the_cache_the_workers_publish_gets_the_user_without_a_flag(
 def test_a_cache_that_refuses_the_admin_leaves_no_tenant_anywhere(
     admin: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lmqueue.local_redis import LocalRedis
+    from lmqueue.devstack import LocalRedis
 
     with LocalRedis() as cache_server:
         redis.Redis.from_url(cache_server.url).config_set("requirepass", "cache-admin-secret")

@@ -16,7 +16,7 @@ import redis
 import torch
 from redis.exceptions import AuthenticationError, ResponseError
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 from lmqueue.producer import QueueLM
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.shared.connections import is_cluster, sync_redis

@@ -13,12 +13,11 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmqueue.local_redis import LocalRedis, free_port
+from lmqueue.devstack import LocalRedis, WorkerProcess, free_port
 from lmqueue.producer.admission import Admission
 from lmqueue.shared.keys import WORKER_GROUP, KeySpace
 from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
 from lmqueue.status import collect_status
-from lmqueue.worker_processes import WorkerProcess
 
 MODEL = "smollm2-135m"
 KEYS = KeySpace()

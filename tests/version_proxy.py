@@ -15,7 +15,7 @@ import threading
 
 import redis
 
-from lmqueue.local_redis import free_port
+from lmqueue.devstack import free_port
 
 __all__ = ["VersionProxy"]
 

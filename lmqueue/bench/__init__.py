@@ -1,10 +1,11 @@
-"""Benchmarks: ``lmq bench <name>`` or ``python -m lmqueue.bench <name>``.
+"""Benchmarks: ``lmq bench <command>`` or ``python -m lmqueue.bench <command>``.
 
-Each benchmark is a module with ``main(argv)``; `lmqueue.bench.dispatch` picks one by name
-(``all`` runs them in turn). Each prints its raw figures and, last, the ratio that matters, and
-writes ``bench-results/<name>.json``. Methodology and results: BENCHMARKS.md.
+One module per command (`commands` lists them all, in one table, and runs them); ``soak`` is a
+package of its own. `lib` is the harness they share: the stack they run on (private Redis
+servers, worker processes), loads, meters, reports, workloads, probes, child processes and
+plots. Methodology and results: BENCHMARKS.md.
 """
 
-from .dispatch import BENCHMARKS, main
+from .commands import COMMANDS, main
 
-__all__ = ["BENCHMARKS", "main"]
+__all__ = ["COMMANDS", "main"]

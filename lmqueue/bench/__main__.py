@@ -1,7 +1,7 @@
-"""``python -m lmqueue.bench <name>``: the same as ``lmq bench <name>``."""
+"""``python -m lmqueue.bench <command>``: the same as ``lmq bench <command>``."""
 
 import sys
 
-from .dispatch import main
+from .commands import main
 
 sys.exit(main())

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -54,13 +53,13 @@ import numpy as np
 
 from lmqueue.shared.settings import DEFAULT_BATCH_SIZE
 
-from . import devices
-from .memory_bounds import vm_hwm
-from .program_runner import run_together
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import QUIET, redis_server, wait_for_workers
+from .lib import devices
+from .lib.memory_bounds import vm_hwm
+from .lib.program_runner import run_together
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import QUIET, redis_server, wait_for_workers
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 ADAPTERS = ("ft1", "ft2", "ft3")
 
@@ -135,7 +134,7 @@ def _make_models(
     base_dir: str, tmp: Path, rank: int, seed: int
 ) -> tuple[dict[str, str], list[str]]:
     """The adapters (name -> directory) and the merged models' directories, made here."""
-    from .adapter_models import make_random_adapter, merge_adapter
+    from .lib.adapter_models import make_random_adapter, merge_adapter
 
     adapters, merged = {}, []
     for i, name in enumerate(ADAPTERS):
@@ -197,7 +196,7 @@ def _batch_args(args: argparse.Namespace) -> list[str]:
 
 
 def _worker(model: str, url: str, name: str, threads: int, extra: list[str] | None = None) -> Any:
-    from lmqueue.worker_processes import WorkerProcess
+    from lmqueue.devstack import WorkerProcess
 
     log_dir = Path(tempfile.gettempdir()) / "lmq-bench-adapters-logs"
     log_dir.mkdir(exist_ok=True)
@@ -212,7 +211,7 @@ def _program(
     args: argparse.Namespace, url: str, model: str, variant: int, adapter: str | None
 ) -> list[str]:
     return [
-        sys.executable, "-m", "lmqueue.bench.program_runner", "--side", "lmqueue",
+        sys.executable, "-m", "lmqueue.bench.lib.program_runner", "--side", "lmqueue",
         "--model", model, "--redis-url", url, "--particles", str(args.particles),
         "--steps", str(args.steps), "--prompt-tokens", str(args.prompt_tokens),
         "--seed", str(args.seed), "--variant", str(variant),
@@ -295,13 +294,3 @@ def _mixed_line(f: dict[str, Any]) -> str:
         f"{f['sequential_calls_per_s']:.2f} calls/s ({f['prompts_per_adapter']} prompts of "
         f"{f['prompt_tokens']} tokens per adapter, {f['rounds']} rounds each)"
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench adapters [flags]``."""
-    parser = command_parser("adapters", __doc__)
-    add_arguments(parser)
-    with contextlib.suppress(KeyboardInterrupt):
-        run(parser.parse_args(argv))
-        return 0
-    return 130

@@ -39,11 +39,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lmqueue.devstack import free_port
 from lmqueue.shared.settings import ClientSettings
 
-from ..local_redis import free_port
-from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure
-from .stack import (
+from .lib.report import DEFAULT_OUT_DIR, Report, save_figure
+from .lib.stack import (
     CpuMeter,
     add_workers,
     connect_client,
@@ -51,9 +51,9 @@ from .stack import (
     wait_for_workers,
     worker_pool,
 )
-from .workload import Workload, bench_prompt
+from .lib.workload import Workload, bench_prompt
 
-__all__ = ["add_arguments", "run", "main", "plot", "scrape_tokens"]
+__all__ = ["add_arguments", "run", "plot", "scrape_tokens"]
 
 #: (name, workers, whether its streams are partitioned).
 CONFIGS = (("single", 1, False), ("off", 2, False), ("on", 2, True))
@@ -261,11 +261,3 @@ def plot(figures: dict[str, dict[str, Any]], path: Path) -> Path:
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle("8 SMC programs x 16 particles on SmolLM2-135M (hf): affinity on/off", fontsize=9)
     return save_figure(fig, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench affinity [flags]``."""
-    parser = command_parser("affinity", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -20,11 +20,11 @@ from lmqueue.shared.connections import async_redis
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.wire import ids_to_bytes
 
-from .load import distinct_prompt, percentile
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import connect_client, redis_server, worker_pool
+from .lib.load import distinct_prompt, percentile
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import connect_client, redis_server, worker_pool
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 _TARGET_P50_MS = 1.0
 
@@ -127,11 +127,3 @@ def _record(
     )
     report.figure(dtype, figures, line=line)
     return float(figures["p50_ms"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench cache [flags]``."""
-    parser = command_parser("cache", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

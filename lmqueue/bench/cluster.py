@@ -20,16 +20,27 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.producer import QueueLM
+from lmqueue.devstack import LocalCluster
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .load import Window, closed_loop, distinct_prompt
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import CpuMeter, connect_client, redis_server, server_pid, wait_for_workers, worker_pool
-from .transport import WIRE_BYTES, add_load_arguments, record_window
+from .lib.load import (
+    WIRE_BYTES,
+    add_load_arguments,
+    measure_distinct_calls,
+    record_window,
+    wire_dtypes,
+)
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import (
+    CpuMeter,
+    connect_client,
+    redis_server,
+    server_pid,
+    wait_for_workers,
+    worker_pool,
+)
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,14 +61,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = [
         f"{dtype} {ratios[f'{dtype}.replies']:.2f}x replies/s, "
         f"{ratios[f'{dtype}.cpu']:.2f}x CPU us per reply"
-        for dtype in _dtypes(args)
+        for dtype in wire_dtypes(args)
     ]
     summary = "cluster (3 masters) / single instance: " + "; ".join(parts)
     return report.finish(ratios, summary, args.out_dir)
-
-
-def _dtypes(args: argparse.Namespace) -> list[str]:
-    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
 
 
 async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
@@ -89,7 +96,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
         for name, url in urls.items():
             await wait_for_workers(url, args.model, pools[name])
         ratios: dict[str, float] = {}
-        for salt, dtype in enumerate(_dtypes(args)):
+        for salt, dtype in enumerate(wire_dtypes(args)):
             figures = {}
             for offset, name in enumerate(urls):
                 settings = ClientSettings(
@@ -99,7 +106,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 meter = CpuMeter({**groups, **redis_pids[name]})
                 lm = await connect_client(args.model, settings, pools[name])
                 async with lm:
-                    window = await _measure(lm, 1000 * salt + offset, args, meter)
+                    window = await measure_distinct_calls(lm, 1000 * salt + offset, args, meter)
                     size = lm.info.vector_size
                     report.figure(f"{dtype}.{name}.client_stats", lm.stats)
                 figures[name] = record_window(
@@ -114,18 +121,3 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
 def _pid(node: Any) -> int:
     assert node.process is not None, "cluster node not started"
     return int(node.process.pid)
-
-
-async def _measure(lm: QueueLM, salt: int, args: argparse.Namespace, meter: CpuMeter) -> Window:
-    async def call(index: int) -> None:
-        await lm.next_token_logprobs(distinct_prompt(index, salt))
-
-    return await closed_loop(call, args.concurrency, args.warmup_s, args.measure_s, meter)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench cluster [flags]``."""
-    parser = command_parser("cluster", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -31,16 +31,16 @@ from typing import Any
 
 import numpy as np
 
+from lmqueue.devstack import child_environment
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .anchor_grid import AnchorConfig, grid
-from .model import one_torch_thread, run_genlm
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
-from .workload import Workload, result_figures
+from .lib.anchor_grid import AnchorConfig, grid, run_genlm
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
+from .lib.workload import Workload, one_torch_thread, result_figures
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every side; returns the result written to ``<out-dir>/engines.json``."""
+    """Run every side; returns the result written to ``<out-dir>/engines.json`` (or, without
+    vLLM, says it skipped and returns ``{"skipped": why}``)."""
+    from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, require
     from lmqueue.workers.models import hf_directory, load_causal_lm, load_tokenizer
 
+    try:
+        require(VLLM)
+    except MissingEngine as exc:
+        print(f"lmq bench engines: skipped, {exc} (`make test-engines` builds a venv with it)")
+        return {"skipped": str(exc)}
     report = Report("engines", {k: str(v) for k, v in vars(args).items()})
     with contextlib.ExitStack() as stack:
         servers = {side: stack.enter_context(redis_server()) for side in ("vllm", "hf")}
@@ -171,9 +178,9 @@ def _plain_vllm(
     """`plain_vllm` in a child process (vLLM's process-wide settings stay there)."""
     payload = json.dumps({"model_dir": model_dir, "waves": waves, "warmup": warmup})
     done = subprocess.run(
-        [sys.executable, "-m", "lmqueue.bench.plain_vllm"],
+        [sys.executable, "-m", "lmqueue.bench.lib.plain_vllm"],
         input=payload, capture_output=True, text=True, timeout=timeout_s,
-        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        env=child_environment({"VLLM_LOGGING_LEVEL": "WARNING"}),
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"plain vLLM failed:\n{done.stderr[-4000:]}")
@@ -209,19 +216,3 @@ def _ratios(
         f"{ratios['vllm_worker_over_genlm_best']:.2f}x"
     )
     return ratios, summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench engines [flags]``."""
-    from lmqueue.workers.backends.engine_imports import VLLM, MissingEngine, require
-
-    parser = command_parser("engines", __doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        require(VLLM)
-    except MissingEngine as exc:
-        print(f"lmq bench engines: skipped, {exc} (`make test-engines` builds a venv with it)")
-        return 0
-    run(args)
-    return 0

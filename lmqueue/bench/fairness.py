@@ -46,15 +46,17 @@ from lmqueue.producer import QueueLM
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 
-from .call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
-from .fairness_plot import plot
-from .load import distinct_prompt
-from .loop_process import LoopProcess
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import connect_client, redis_server, wait_for_workers, worker_pool
-from .tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
+from .lib.call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
+from .lib.fairness_model import add_arguments as add_real_model_arguments
+from .lib.fairness_model import run_real
+from .lib.fairness_plot import plot
+from .lib.load import distinct_prompt
+from .lib.loop_process import LoopProcess
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import connect_client, redis_server, wait_for_workers, worker_pool
+from .lib.tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
 
-__all__ = ["add_arguments", "mock_costs", "run", "main", "plot"]
+__all__ = ["add_arguments", "mock_costs", "run", "plot"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,8 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs of the real-model experiment (fairness_model; 0: none)",
     )
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
-    from .fairness_model import add_arguments as add_real_model_arguments  # imports this one
-
     add_real_model_arguments(parser)
     parser.add_argument("--docs-plot", default="docs/fairness.png", help="'' for nowhere")
 
@@ -292,8 +292,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _real_model(args: argparse.Namespace, report: Report) -> dict[str, Any] | None:
     if not args.real_repeats:
         return None
-    from .fairness_model import run_real
-
     return run_real(args, report)
 
 
@@ -335,11 +333,3 @@ def _summary(
         r = real["summary"]["p99_ratio"]
         line += f"; real model (SmolLM2-135M) p99 ratio {r['worst']:.2f} / {r['median']:.2f}"
     return line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench fairness [flags]``."""
-    parser = command_parser("fairness", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

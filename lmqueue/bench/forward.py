@@ -22,13 +22,12 @@ import asyncio
 import statistics
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import DEFAULT_OUT_DIR, Report, command_parser
+from .lib.report import DEFAULT_OUT_DIR, Report
 
-__all__ = ["add_arguments", "run", "main", "deep_tiny_model"]
+__all__ = ["add_arguments", "run", "deep_tiny_model"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,11 +230,3 @@ def _options(text: str) -> dict[str, Any]:
         key, _, value = part.partition("=")
         options[key] = int(value) if value.lstrip("-").isdigit() else value
     return options
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lmq bench forward [flags]``."""
-    parser = command_parser("forward", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -23,16 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmqueue.devstack import WorkerProcess
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from ..worker_processes import WorkerProcess
-from .memory_bounds import MemorySampler, derive_bounds, model_figures, reset_peak_rss, vm_hwm
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import connect_client, redis_server, worker_pool
-from .workload import Workload, bench_prompt
+from .lib.memory_bounds import MemorySampler, derive_bounds, model_figures, reset_peak_rss, vm_hwm
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import connect_client, redis_server, worker_pool
+from .lib.workload import Workload, bench_prompt
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 _MIB = 2**20
 
@@ -184,11 +184,3 @@ def _bytes_line(title: str, values: dict[str, Any]) -> str:
         f"{k} {v / _MIB:.1f} MiB" for k, v in values.items() if isinstance(v, int | float)
     )
     return f"{title}: {shown}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench memory [flags]``."""
-    parser = command_parser("memory", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -26,20 +26,20 @@ import dataclasses
 import gc
 import os
 import statistics
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
 
-from . import devices
-from .anchor_grid import AnchorConfig, add_grid_argument, best, grid
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
-from .workload import Workload, bench_prompt, result_figures
+from .lib import devices
+from .lib.anchor_grid import AnchorConfig, add_grid_argument, best, grid, run_genlm, run_in_process
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import CpuMeter, connect_client, redis_server, wait_for_workers, worker_pool
+from .lib.workload import Workload, bench_prompt, one_torch_thread, result_figures
 
-__all__ = ["add_arguments", "main", "one_torch_thread", "run", "run_genlm"]
+__all__ = ["add_arguments", "run"]
 
 SIDES = ("genlm", "inprocess", "lmqueue")
 
@@ -193,24 +193,6 @@ def _genlm_runner(
     return lambda workload: run_genlm(model, tokenizer, workload, point)
 
 
-async def run_genlm(
-    model: Any, tokenizer: Any, workload: Workload, point: AnchorConfig
-) -> dict[str, Any]:
-    """The workload on genlm-backend's in-process `AsyncTransformer` at one grid point."""
-    from genlm.backend.llm import AsyncTransformer as GenlmTransformer
-
-    lm = GenlmTransformer(model, tokenizer, **point.kwargs())
-    lm.cache_kv(workload.prompt)
-    meter = CpuMeter({"process": [os.getpid()]})
-    devices.reset_torch_peaks()
-    meter.start()
-    result = await workload.run(lm)
-    cpu = meter.stop()
-    peaks = devices.torch_peaks()
-    lm.clear_cache()
-    return {**result_figures(result, cpu), "gpu": peaks}
-
-
 async def _inprocess(model: Any, tokenizer: Any, workload: Workload, device: str) -> dict[str, Any]:
     from lmqueue.workers.backend_loader import backend_options, batching_for_device
     from lmqueue.workers.backends.hf import AsyncTransformer
@@ -221,14 +203,7 @@ async def _inprocess(model: Any, tokenizer: Any, workload: Workload, device: str
     options.pop("device", None)  # the model is placed already
     lm = AsyncTransformer(model, tokenizer, **options)
     async with lm:
-        lm.cache_kv(workload.prompt)
-        meter = CpuMeter({"process": [os.getpid()]})
-        devices.reset_torch_peaks()
-        meter.start()
-        result = await workload.run(lm)
-        cpu = meter.stop()
-        peaks = devices.torch_peaks()
-    return {**result_figures(result, cpu), "gpu": peaks}
+        return await run_in_process(lm, workload)
 
 
 async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> dict[str, Any]:
@@ -243,29 +218,3 @@ async def _lmqueue(model: str, url: str, workers: Any, workload: Workload) -> di
         stats = lm.stats
     used = devices.gpu_used_bytes(w.pid for w in workers)
     return {**result_figures(result, cpu), "client_stats": stats, "gpu_in_use_bytes": used}
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run the block with one torch thread, as a client process should (see README).
-
-    The sampler's own tensor work is small; with the default team of threads per core,
-    OpenMP's spinning waits take the cores the worker process needs (measured here: 7 calls/s
-    with two client threads against 71 with one, on the same run of this workload).
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench model [flags]``."""
-    parser = command_parser("model", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -28,14 +28,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import devices
-from .anchor_grid import AnchorConfig, add_grid_argument, best, grid
-from .memory_bounds import vm_hwm
-from .program_runner import run_together
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import redis_server, wait_for_workers, worker_pool
+from .lib import devices
+from .lib.anchor_grid import AnchorConfig, add_grid_argument, best, grid
+from .lib.memory_bounds import vm_hwm
+from .lib.program_runner import run_together
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import redis_server, wait_for_workers, worker_pool
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 SIDES = ("genlm", "lmqueue")
 
@@ -112,7 +112,7 @@ def _round(
     """Run K programs of `side` together; their aggregate rate and summed peak RSS."""
     threads = max(1, (os.cpu_count() or 1) // k) if side == "genlm" else 1
     command = [
-        sys.executable, "-m", "lmqueue.bench.program_runner", "--side", side, "--model",
+        sys.executable, "-m", "lmqueue.bench.lib.program_runner", "--side", side, "--model",
         args.model, "--particles", str(args.particles), "--steps", str(args.steps),
         "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.seed),
         "--torch-threads", str(threads), *(["--redis-url", redis_url] if redis_url else []),
@@ -182,11 +182,3 @@ def _shown(k: int, ratios: dict[str, float]) -> str:
     )
     gpu = ratios.get(f"k{k}_gpu_memory")
     return text + (f" ({gpu:.2f}x GPU memory)" if gpu is not None else "")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench programs [flags]``."""
-    parser = command_parser("programs", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -29,9 +29,9 @@ from typing import Any
 from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .load import Window, closed_loop, distinct_prompt
-from .report import DEFAULT_OUT_DIR, Report, command_parser, save_figure
-from .stack import (
+from .lib.load import Window, closed_loop, distinct_prompt
+from .lib.report import DEFAULT_OUT_DIR, Report, save_figure
+from .lib.stack import (
     CpuMeter,
     add_workers,
     connect_client,
@@ -41,7 +41,7 @@ from .stack import (
     worker_pool,
 )
 
-__all__ = ["add_arguments", "run", "main", "plot"]
+__all__ = ["add_arguments", "run", "plot"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"[target >= {0.875 * high:g}x]"
     )
     if args.hf:
-        from .scaling_hf import run_hf
+        from .lib.scaling_hf import run_hf
 
         hf = run_hf(args.hf_model, args.warmup_s, args.hf_measure_s, report)
         ratios["hf_two_workers_over_one"] = hf["two_workers_over_one"]
@@ -196,11 +196,3 @@ def plot(per_s: dict[int, float], ceiling_per_worker: float, path: Path) -> Path
     ax.grid(alpha=0.3)
     ax.legend()
     return save_figure(fig, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench scaling [flags]``."""
-    parser = command_parser("scaling", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -31,13 +31,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lmqueue.producer import QueueLM
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
-from .load import Window, closed_loop, distinct_prompt
-from .probe import run_probe
-from .report import DEFAULT_OUT_DIR, Report, command_parser
-from .stack import (
+from .lib.load import (
+    WIRE_BYTES,
+    add_load_arguments,
+    measure_distinct_calls,
+    record_window,
+    wire_dtypes,
+)
+from .lib.probe import run_probe
+from .lib.report import DEFAULT_OUT_DIR, Report
+from .lib.stack import (
     CpuMeter,
     connect_client,
     redis_server,
@@ -45,22 +50,9 @@ from .stack import (
     wait_for_workers,
     worker_pool,
 )
-from .transport_scale import add_scale_arguments, run_scale, scale_summary
+from .lib.transport_scale import add_scale_arguments, run_scale, scale_summary
 
-__all__ = ["add_arguments", "add_load_arguments", "main", "record_window", "run"]
-
-#: Bytes per value of each wire dtype.
-WIRE_BYTES = {"float32": 4, "float16": 2}
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of a closed-loop load of mock vectors (this benchmark's and `cluster`'s)."""
-    parser.add_argument("--model", default="smollm2-135m", help="whose vocabulary sizes vectors")
-    parser.add_argument("--dtypes", default="float32,float16", help="wire dtypes, comma-separated")
-    parser.add_argument("--concurrency", type=int, default=512, help="calls kept outstanding")
-    parser.add_argument("--warmup-s", type=float, default=2.0)
-    parser.add_argument("--measure-s", type=float, default=6.0)
-    parser.add_argument("--distinct-vectors", type=int, default=64)
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stack.enter_context(_without_resp_pipe())
         ratios = asyncio.run(_run(args, report))
     parts = []
-    for dtype in _dtypes(args):
+    for dtype in wire_dtypes(args):
         defaults, no_cache = ratios[f"{dtype}.defaults"], ratios[f"{dtype}.no_cache"]
         inline = ratios[f"{dtype}.inline"]
         parts.append(f"{dtype} {defaults:.2f}x (defaults) {inline:.2f}x (inline) "
@@ -106,10 +98,6 @@ def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:
     from lmqueue.producer.resp_pipe import RespPipe
 
     return mock.patch.object(RespPipe, "supports", staticmethod(lambda url: False))
-
-
-def _dtypes(args: argparse.Namespace) -> list[str]:
-    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
 
 
 async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
@@ -144,7 +132,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
         size = await _vector_size(args.model, configs["no_cache"][2], workers_b)
         report.figure("vector_size", size)
         ratios: dict[str, float] = {}
-        for salt, dtype in enumerate(_dtypes(args)):
+        for salt, dtype in enumerate(wire_dtypes(args)):
             window = await run_probe(
                 probe_redis.url, server_pid(probe_redis), dtype, size,
                 args.concurrency, args.warmup_s, args.measure_s,
@@ -158,7 +146,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 if not claims:
                     lm.channel.claims.disable()
                 async with lm:
-                    window = await _measure(lm, 1000 * salt + offset, args, meter)
+                    window = await measure_distinct_calls(lm, 1000 * salt + offset, args, meter)
                     report.figure(
                         f"{dtype}.{name}.client_stats", lm.stats, line=f"client stats {lm.stats}"
                     )
@@ -170,13 +158,6 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                     f"{key}.vs_probe", ratios[key], line=_versus(key, ratios, ours, probe)
                 )
     return ratios
-
-
-async def _measure(lm: QueueLM, salt: int, args: argparse.Namespace, meter: CpuMeter) -> Window:
-    async def call(index: int) -> None:
-        await lm.next_token_logprobs(distinct_prompt(index, salt))
-
-    return await closed_loop(call, args.concurrency, args.warmup_s, args.measure_s, meter)
 
 
 async def _vector_size(model: str, settings: ClientSettings, workers: Any) -> int:
@@ -191,23 +172,3 @@ def _versus(
         f"{key}: {ratios[key]:.2f}x the probe's replies/s, {ratios[key + '.cpu']:.2f}x its CPU "
         f"efficiency ({ours[1]:.0f} vs {probe[1]:.0f} CPU us per reply, all processes)"
     )
-
-
-def record_window(
-    report: Report, key: str, window: Window, payload_bytes: int
-) -> tuple[float, float]:
-    """Print and keep a window's figures; its replies/s and total CPU us per reply."""
-    cpu = window.cpu_us_per_reply()
-    gbps = window.per_s * payload_bytes / 1e9
-    line = (f"{key:<18} {window.per_s:8.1f} replies/s  {gbps:5.2f} GB/s  CPU us/reply: "
-            + ", ".join(f"{name} {us:.0f}" for name, us in cpu.items()))  # fmt: skip
-    report.figure(key, {**window.as_dict(), "payload_gb_per_s": round(gbps, 3)}, line=line)
-    return window.per_s, sum(cpu.values())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench transport [flags]``."""
-    parser = command_parser("transport", __doc__)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

@@ -1,6 +1,6 @@
-"""Benchmark: trie masses of a batch of distributions, lmqueue against genlm-backend 0.3.1.
+"""``lmq bench trie``: trie masses of a batch of distributions, lmqueue against genlm-backend 0.3.1.
 
-    python -m lmqueue.bench.trie [--batch 32] [--repeats 9] [--warmup 2]
+    lmq bench trie [--batch 32] [--repeats 9] [--warmup 2]
 
 One run times `batch_weight_sum` and `batch_weight_max` of lmqueue's
 `ParallelTokenCharacterTrie` (CPU) and of genlm-backend's `TokenCharacterTrie` (numba, one row
@@ -40,7 +40,9 @@ from lmqueue.shared.lm.trie import ParallelTokenCharacterTrie
 from lmqueue.shared.lm.trie.layout import TrieLayout
 from lmqueue.shared.lm.vocab import decode_vocab
 
-__all__ = ["run", "main", "report"]
+from .lib.report import DEFAULT_OUT_DIR
+
+__all__ = ["add_arguments", "measure", "report", "run"]
 
 
 @dataclass
@@ -55,7 +57,7 @@ class _Tries:
     build_s: float
 
 
-def run(
+def measure(
     batch: int = 32,
     repeats: int = 9,
     warmup: int = 2,
@@ -179,7 +181,7 @@ def _model_distributions(
 
     from lmqueue.workers.models import load_causal_lm
 
-    from .workload import PROMPT_TEXT
+    from .lib.workload import PROMPT_TEXT
 
     ids = list(tokenizer.encode(PROMPT_TEXT, add_special_tokens=False))
     positions = np.random.default_rng(seed).choice(len(ids), size=batch, replace=batch > len(ids))
@@ -251,24 +253,24 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line: run the benchmark and print its report."""
-    parser = argparse.ArgumentParser(prog="python -m lmqueue.bench.trie", description=__doc__)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
     parser.add_argument("--batch", type=int, default=32, help="distributions per call")
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
-    args = parser.parse_args(argv)
-    results = run(args.batch, args.repeats, args.warmup, args.model, args.seed)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark, print its report; returns the result written to
+    ``<out-dir>/trie.json``."""
+    measured = measure(args.batch, args.repeats, args.warmup, args.model, args.seed)
+    results = {"benchmark": "trie", **measured}
     print(report(results))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "trie.json"
-    path.write_text(json.dumps({"benchmark": "trie", **results}, indent=2) + "\n")
+    path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"(wrote {path})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return results

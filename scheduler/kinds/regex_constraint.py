@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import regex
-import torch
 
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 
@@ -35,18 +35,18 @@ class RegexConstraint:
         self.trie = trie
         self.vocab = [bytes(token) for token in trie.decode]
         self.eos_token_ids = list(eos_token_ids)
-        self._masks: dict[bytes, torch.Tensor] = {}
+        self._masks: dict[bytes, np.ndarray] = {}
 
     def viable(self, text: bytes) -> bool:
         """Whether `text` can still be extended to a full match."""
         return self.pattern.fullmatch(text, partial=True) is not None
 
-    def allowed_after(self, generated: bytes) -> torch.Tensor:
+    def allowed_after(self, generated: bytes) -> np.ndarray:
         """The boolean mask (one entry per vocabulary position) of tokens allowed next."""
         mask = self._masks.get(generated)
         if mask is not None:
             return mask
-        mask = torch.zeros(len(self.vocab), dtype=torch.bool)
+        mask = np.zeros(len(self.vocab), dtype=bool)
         stack = [(self.trie.root, b"")]
         while stack:
             node, prefix = stack.pop()
@@ -62,6 +62,6 @@ class RegexConstraint:
         self._masks[generated] = mask
         return mask
 
-    def allowed_for(self, tokens: Sequence[int]) -> torch.Tensor:
+    def allowed_for(self, tokens: Sequence[int]) -> np.ndarray:
         """The mask after the token ids `tokens` (the form `run_smc` calls)."""
         return self.allowed_after(b"".join(self.vocab[t] for t in tokens))

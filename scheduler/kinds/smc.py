@@ -1,4 +1,4 @@
-"""``smc``: constrained sequential Monte Carlo with P particles (lmqueue.shared.lm.smc's sampler).
+"""``smc``: constrained sequential Monte Carlo with P particles (`scheduler.smc_sampler`).
 
 Params: ``prompt`` (str), ``particles`` (default 16), ``steps`` (default 16), ``seed``
 (default 0), and one constraint: ``lipogram`` (a string of banned characters, e.g. ``"eE"``:
@@ -18,9 +18,9 @@ import math
 from typing import Any
 
 from lmqueue.shared.errors import BadRequest
-from lmqueue.shared.lm.smc import lipogram_mask, run_smc
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 
+from ..smc_sampler import lipogram_mask, run_smc
 from .regex_constraint import RegexConstraint
 
 __all__ = ["run", "constraint_masks"]

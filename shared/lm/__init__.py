@@ -4,9 +4,7 @@
 `decode_vocab` and `check_prompt` say what a vocabulary and a valid prompt are; `OutputCache`
 bounds cached vectors; the token-character tries turn next-token distributions into masses
 under byte prefixes (`TokenCharacterTrie` one row at a time, `ParallelTokenCharacterTrie` in
-bulk on CPU or CUDA, `AsyncTokenCharacterTrie` batching concurrent callers); `smc` is the
-sequential Monte Carlo sampler that runs on any of them (the demo's, the benchmarks' and the
-scheduler's `smc` kind), here rather than in the application so nothing imports upward.
+bulk on CPU or CUDA, `AsyncTokenCharacterTrie` batching concurrent callers).
 
 Nothing here knows about Redis: the wire agreement (messages, keys, errors, registry,
 settings, connections) is the rest of `shared`.

@@ -12,17 +12,15 @@ are deselected: the wheel's kernels are not there.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lmqueue.local_redis import LocalRedis
-from lmqueue.shared.connections import sync_redis
+from lmqueue import devstack
+from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.shared.keys import KeySpace
-from lmqueue.worker_processes import WorkerProcess
 from lmqueue.workers.backends.engine_imports import VLLM, installed_version
 
 from .vllm_classes import classes_dir, cpu_platform, use_platform, use_unpacked
@@ -109,22 +107,7 @@ def vllm_worker(
 
 def wait_live(redis_url: str, workers: list[WorkerProcess], timeout_s: float = 240) -> None:
     """Block until every worker has beaten its heartbeat since now (vLLM loads in ~30 s)."""
-    since_ms = int(time.time() * 1000)
-    client = sync_redis(redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            beats = dict(client.zrange(KEYS.model_workers(MODEL), 0, -1, withscores=True))
-            if all(beats.get(w.name.encode(), 0) >= since_ms for w in workers):
-                return
-            for worker in workers:
-                if not worker.alive:
-                    raise RuntimeError(f"{worker.name} exited:\n{worker.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers not live in {timeout_s} s")
-            time.sleep(0.1)
-    finally:
-        client.close()
+    devstack.wait_live(redis_url, MODEL, workers, timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer import QueueLM
 
 from .conftest import MODEL, assert_same_row, vllm_worker, wait_live

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from lmqueue.local_redis import free_port
+from lmqueue.devstack import free_port
 
 __all__ = ["ChaosProxy"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,14 +12,10 @@ from typing import Any
 
 import pytest
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
-from lmqueue.shared.connections import sync_redis
-from lmqueue.shared.redis_errors import REDIS_DOWN
-from lmqueue.worker_processes import WorkerProcess
+from lmqueue.devstack import LocalCluster, LocalRedis, WorkerProcess, wait_live
 from lmqueue.workers.backends.mock import MockAsyncLM
 
-from .harness import KEYS, MODEL, Figures
+from .harness import MODEL, Figures
 
 #: Settings every fault-test worker gets unless a test overrides them: fast heartbeats.
 WORKER_ENV = {"LMQ_HEARTBEAT_S": "0.5", "LMQ_LOG_LEVEL": "INFO"}
@@ -98,35 +93,12 @@ class WorkerPool:
             for i in range(count)
         ]  # fmt: skip
         self.workers += started
-        self.wait_live(redis_url, started)
+        wait_live(redis_url, MODEL, started)
         return started
 
     def restart(self, redis_url: str, worker: WorkerProcess) -> None:
         """Start a dead worker again under its name (as a supervisor would)."""
         worker.start()
-
-    @staticmethod
-    def wait_live(redis_url: str, workers: list[WorkerProcess], timeout_s: float = 90) -> None:
-        """Block until every worker has beaten its heartbeat since now."""
-        since_ms = int(time.time() * 1000)
-        client = sync_redis(redis_url)  # a cluster client where `redis_url` is a cluster node
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    beats = dict(client.zrange(KEYS.model_workers(MODEL), 0, -1, withscores=True))
-                except REDIS_DOWN:  # a young cluster under load can be down for a moment
-                    beats = {}
-                if all(beats.get(w.name.encode(), 0) >= since_ms for w in workers):
-                    return
-                for worker in workers:
-                    if not worker.alive:
-                        raise RuntimeError(f"{worker.name} exited:\n{worker.log()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers not live in {timeout_s} s")
-                time.sleep(0.05)
-        finally:
-            client.close()
 
     def stop_all(self) -> None:
         for worker in self.workers:

@@ -26,7 +26,7 @@ import re
 
 import pytest
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 
 from .harness import KEYS, MODEL, Load, assert_clean, connect, make_prompts
 

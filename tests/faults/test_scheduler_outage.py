@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
 from pathlib import Path
 
 import redis
 
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import LocalRedis
 from lmqueue.producer import Experiments
 from lmqueue.shared.keys import KeySpace
 
@@ -63,6 +62,5 @@ async def test_a_redis_restart_under_a_running_experiment_loses_and_doubles_no_r
             assert [row["index"] for row in results] == list(range(60))  # once each, in order
             assert "cannot be reached" in scheduler.log()  # it noticed, and went on
         finally:
-            scheduler.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             assert scheduler.stop() in (0, None), scheduler.log()
         assert "Traceback" not in scheduler.log(), scheduler.log()

@@ -1,7 +1,7 @@
 """One tenant's SMC programs in a process of their own, every call journaled (the soak).
 
 ``python -m lmqueue.bench.soak.client --url URL --model M --journal FILE ...`` connects with the
-tenant's URL and runs SMC programs one after another (`lmqueue.bench.workload`, a new seed
+tenant's URL and runs SMC programs one after another (`lmqueue.bench.lib.workload`, a new seed
 each, cycling through ``--adapters``) until SIGTERM, which lets the running program finish.
 Each SMC step's calls are sent one by one, so every call has its own outcome; the step's
 begin and end go to the journal (`journal`). A call that fails with a retryable typed error
@@ -27,7 +27,7 @@ import numpy as np
 
 from lmqueue.shared.errors import BadRequest, DeadlineExceeded, LMQueueError
 
-from ..workload import Workload
+from ..lib.workload import Workload
 from .journal import JournalWriter
 
 __all__ = ["main", "sample_indices", "RETRIES"]

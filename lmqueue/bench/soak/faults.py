@@ -74,9 +74,7 @@ class FaultSchedule:
 
     def _kill_worker(self) -> str:
         worker = self.rig.workers[next(self._kill_turn)]
-        worker.signal(signal.SIGKILL)
-        assert worker.process is not None
-        worker.process.wait()
+        worker.kill()
         worker.start()
         self.rig.wait_live([worker])
         return worker.name

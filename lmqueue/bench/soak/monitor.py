@@ -28,7 +28,7 @@ import redis
 
 from lmqueue.shared.keys import WORKER_GROUP
 
-from .. import devices
+from ..lib import devices
 from .rig import Rig
 
 __all__ = ["Monitor", "FLOORS", "floor_of"]

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..report import save_figure
+from ..lib.report import save_figure
 
 __all__ = ["plot"]
 

@@ -19,24 +19,24 @@ from __future__ import annotations
 
 import json
 import secrets
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from lmqueue.local_cluster import LocalCluster
-from lmqueue.local_redis import LocalRedis
+from lmqueue.devstack import (
+    ChildProcess,
+    LocalCluster,
+    LocalRedis,
+    SchedulerProcess,
+    WorkerProcess,
+    wait_live,
+)
 from lmqueue.shared.connections import sync_redis
-from lmqueue.shared.keys import KeySpace
-from lmqueue.shared.redis_errors import REDIS_DOWN
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 from lmqueue.tenant_admin import TenantAdmin, user_url
-from lmqueue.worker_processes import WorkerProcess, child_environment
 
 __all__ = ["Rig", "RigConfig", "ClientProcess"]
 
@@ -44,6 +44,8 @@ ADAPTERS = ("ft1", "ft2")
 #: tenant -> the adapters its client process cycles through ("" is the base model)
 PROGRAM_TENANTS = {"alice": ("",), "bob": ADAPTERS}
 EXPERIMENT_TENANT = "carol"
+#: the client processes' environment on top of this one's
+CLIENT_ENV = {"OMP_NUM_THREADS": "1", "LMQ_LOG_LEVEL": "WARNING"}
 
 
 @dataclass(frozen=True)
@@ -62,47 +64,17 @@ class RigConfig:
     keep_finished_s: float = 60.0
 
 
-class ClientProcess:
-    """One tenant's `client` process; restartable (its journal is appended to)."""
+class ClientProcess(ChildProcess):
+    """One tenant's `client` process; restartable (its journal is appended to).
+
+    `stop` (SIGTERM) lets the running program finish, then the process exits; `kill` is a
+    crash of the program's host.
+    """
 
     def __init__(self, name: str, args: list[str], journal: Path, log: Path) -> None:
-        self.name, self.journal, self.log_path = name, journal, log
-        self.args = [sys.executable, "-m", "lmqueue.bench.soak.client", *args]
-        self.args += ["--journal", str(journal)]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> ClientProcess:
-        """Start the process (it connects and starts its programs on its own)."""
-        env = child_environment({"OMP_NUM_THREADS": "1", "LMQ_LOG_LEVEL": "WARNING"})
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        """The running process's pid."""
-        assert self.process is not None, "not started"
-        return self.process.pid
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash of the program's host would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM: the running program finishes, then the process exits."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.returncode
+        argv = [sys.executable, "-m", "lmqueue.bench.soak.client", *args, "--journal", str(journal)]
+        super().__init__(name, argv, log, env=CLIENT_ENV, stop_grace_s=60.0)
+        self.journal = journal
 
 
 class Rig:
@@ -122,7 +94,7 @@ class Rig:
         self.urls: dict[str, str] = {}
         self.workers: list[WorkerProcess] = []
         self.clients: list[ClientProcess] = []
-        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.scheduler: SchedulerProcess | None = None
 
     @property
     def admin_url(self) -> str:
@@ -158,7 +130,7 @@ class Rig:
         return self
 
     def _make_models(self) -> None:
-        from ..adapter_models import make_random_adapter
+        from ..lib.adapter_models import make_random_adapter
         from .tiny_model import make_tiny_model
 
         if not (self.work / "model" / "config.json").exists():
@@ -208,11 +180,9 @@ class Rig:
             settings["control_url"] = self.control.url
         config = self.work / "scheduler.json"
         config.write_text(json.dumps(settings))
-        args = [sys.executable, "-m", "lmqueue.scheduler", "--redis-url", self.admin_url,
-                "--name", "soak-scheduler", "--config", str(config)]  # fmt: skip
-        env = child_environment({"OMP_NUM_THREADS": "1"})
-        with open(self.logs / "scheduler.log", "ab") as log:
-            self.scheduler = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.scheduler = SchedulerProcess(
+            self.admin_url, "soak-scheduler", config, self.logs, env={"OMP_NUM_THREADS": "1"}
+        ).start()
 
     def _client(self, tenant: str, variant: int) -> ClientProcess:
         args = ["--url", self.urls[tenant], "--model", self.model, "--variant", str(variant),
@@ -226,24 +196,7 @@ class Rig:
 
     def wait_live(self, workers: list[WorkerProcess], timeout_s: float = 180) -> float:
         """Block until each of `workers` has beaten its heartbeat since now; the seconds taken."""
-        started = time.monotonic()
-        since_ms = int(time.time() * 1000)
-        key = KeySpace().model_workers(self.model)
-        client: Any = sync_redis(self.admin_url)
-        try:
-            while True:
-                try:
-                    beats = dict(client.zrange(key, 0, -1, withscores=True))
-                except REDIS_DOWN:
-                    beats = {}
-                if all(beats.get(w.name.encode(), 0) >= since_ms for w in workers):
-                    return time.monotonic() - started
-                dead = [w.name for w in workers if not w.alive]
-                if dead or time.monotonic() - started > timeout_s:
-                    raise RuntimeError(f"workers not live ({dead} exited); see {self.logs}")
-                time.sleep(0.1)
-        finally:
-            client.close()
+        return wait_live(self.admin_url, self.model, workers, timeout_s)
 
     # -- processes the monitor measures ---------------------------------------------------------
     def pids(self) -> dict[str, int]:
@@ -270,12 +223,8 @@ class Rig:
         """Stop everything that runs; the work directory stays (journals, logs)."""
         for client in self.clients:
             client.kill()
-        if self.scheduler is not None and self.scheduler.poll() is None:
-            self.scheduler.send_signal(signal.SIGTERM)
-            try:
-                self.scheduler.wait(30)
-            except subprocess.TimeoutExpired:
-                self.scheduler.kill()
+        if self.scheduler is not None:
+            self.scheduler.stop()
         for worker in self.workers:
             worker.stop(timeout_s=20)
         for server in (self.queue, self.control, self.cache):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..report import DEFAULT_OUT_DIR, Report, command_parser
+from ..lib.report import DEFAULT_OUT_DIR, Report
 from . import recovery
 from .experiments import ExperimentLoop
 from .faults import FaultSchedule
@@ -40,7 +40,7 @@ from .plot import plot
 from .rig import ADAPTERS, EXPERIMENT_TENANT, Rig, RigConfig
 from .verify import verify
 
-__all__ = ["add_arguments", "run", "main"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,11 +195,3 @@ def _title(args: argparse.Namespace, calls: Any, faults: int) -> str:
     where = "3-master Redis Cluster" if args.cluster else "one Redis (AOF)"
     return (f"lmq bench soak: {args.minutes:g} min on {where}, 2 hf workers, 3 tenants, "
             f"{faults} faults; {calls.answered} calls answered, lost {calls.lost}")  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lmq bench soak [flags]``; exit status 1 when a target is missed."""
-    parser = command_parser("soak", __doc__)
-    add_arguments(parser)
-    result = run(parser.parse_args(argv))
-    return 0 if result["passed"] else 1

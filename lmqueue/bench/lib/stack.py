@@ -21,13 +21,11 @@ from typing import Any
 
 import psutil
 
+from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.shared.connections import connect_async_redis
 from lmqueue.shared.registry import ModelRegistry
 from lmqueue.shared.settings import ClientSettings, RedisSettings
-
-from ..local_redis import LocalRedis
-from ..worker_processes import WorkerProcess
 
 __all__ = [
     "redis_server",

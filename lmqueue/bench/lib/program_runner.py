@@ -1,9 +1,9 @@
 """One SMC program in a process of its own, for ``lmq bench programs``.
 
-``python -m lmqueue.bench.program_runner --side genlm|lmqueue --variant I ...`` loads what its
+``python -m lmqueue.bench.lib.program_runner --side genlm|lmqueue --variant I ...`` loads what its
 side needs (genlm: a full model copy in this process; lmqueue: a `QueueLM` client of the
 worker at ``--redis-url``), prints ``ready``, waits for a line on stdin, runs the workload of
-`lmqueue.bench.workload` on its own prompt variant, and prints one JSON line: its calls, the
+`lmqueue.bench.lib.workload` on its own prompt variant, and prints one JSON line: its calls, the
 seconds they took and the process's peak RSS (VmHWM, loading included: the memory the program
 really holds) and, on a GPU, its peak GPU memory (`devices.torch_peaks`).
 """
@@ -20,6 +20,8 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from lmqueue.devstack import kill_process
 
 from . import devices
 from .memory_bounds import vm_hwm
@@ -99,8 +101,7 @@ def run_together(
         return results, time.monotonic() - started
     finally:
         for process in processes:
-            if process.poll() is None:
-                process.kill()
+            kill_process(process)
 
 
 def _result(process: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lmqueue.local_cluster import LocalCluster
+from lmqueue.devstack import LocalCluster
 
 from .report import Report
 from .stack import add_workers, redis_server, server_pid, wait_for_workers, worker_pool

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AnchorConfig", "add_grid_argument", "grid", "best"]
+from . import devices
+from .stack import CpuMeter
+from .workload import Workload, result_figures
+
+__all__ = ["AnchorConfig", "add_grid_argument", "grid", "best", "run_genlm", "run_in_process"]
 
 #: lmqueue's own backend settings (``workers.backend_loader`` with default settings).
 LMQUEUE_BATCH_SIZE = 32
@@ -76,3 +81,27 @@ def best(per_s: dict[str, float], points: list[AnchorConfig]) -> AnchorConfig:
     """The point with the most calls per second among those measured."""
     measured = [point for point in points if point.label in per_s]
     return max(measured, key=lambda point: per_s[point.label])
+
+
+async def run_genlm(
+    model: Any, tokenizer: Any, workload: Workload, point: AnchorConfig
+) -> dict[str, Any]:
+    """The workload on genlm-backend's in-process `AsyncTransformer` at one grid point."""
+    from genlm.backend.llm import AsyncTransformer as GenlmTransformer
+
+    lm = GenlmTransformer(model, tokenizer, **point.kwargs())
+    figures = await run_in_process(lm, workload)
+    lm.clear_cache()
+    return figures
+
+
+async def run_in_process(lm: Any, workload: Workload) -> dict[str, Any]:
+    """The workload on an in-process `lm` (its KV of the prompt cached first): its figures,
+    with this process's CPU time and GPU memory peaks."""
+    lm.cache_kv(workload.prompt)
+    meter = CpuMeter({"process": [os.getpid()]})
+    devices.reset_torch_peaks()
+    meter.start()
+    result = await workload.run(lm)
+    cpu = meter.stop()
+    return {**result_figures(result, cpu), "gpu": devices.torch_peaks()}

@@ -8,17 +8,35 @@ allocations) is not what a long-running deployment sees.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from .report import Report
 from .stack import CpuMeter
 
-__all__ = ["Counter", "Window", "distinct_prompt", "closed_loop", "measure_window", "percentile"]
+__all__ = [
+    "WIRE_BYTES",
+    "Counter",
+    "Window",
+    "add_load_arguments",
+    "closed_loop",
+    "distinct_prompt",
+    "measure_distinct_calls",
+    "measure_window",
+    "percentile",
+    "record_window",
+    "wire_dtypes",
+]
+
+#: Bytes per value of each wire dtype.
+WIRE_BYTES = {"float32": 4, "float16": 2}
 
 
 @dataclass
@@ -140,3 +158,42 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a closed-loop load of mock vectors (``transport``'s and ``cluster``'s)."""
+    parser.add_argument("--model", default="smollm2-135m", help="whose vocabulary sizes vectors")
+    parser.add_argument("--dtypes", default="float32,float16", help="wire dtypes, comma-separated")
+    parser.add_argument("--concurrency", type=int, default=512, help="calls kept outstanding")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--measure-s", type=float, default=6.0)
+    parser.add_argument("--distinct-vectors", type=int, default=64)
+
+
+def wire_dtypes(args: argparse.Namespace) -> list[str]:
+    """The wire dtypes of ``--dtypes``, in order."""
+    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+
+def record_window(
+    report: Report, key: str, window: Window, payload_bytes: int
+) -> tuple[float, float]:
+    """Print and keep a window's figures; its replies/s and total CPU us per reply."""
+    cpu = window.cpu_us_per_reply()
+    gbps = window.per_s * payload_bytes / 1e9
+    line = (f"{key:<18} {window.per_s:8.1f} replies/s  {gbps:5.2f} GB/s  CPU us/reply: "
+            + ", ".join(f"{name} {us:.0f}" for name, us in cpu.items()))  # fmt: skip
+    report.figure(key, {**window.as_dict(), "payload_gb_per_s": round(gbps, 3)}, line=line)
+    return window.per_s, sum(cpu.values())
+
+
+async def measure_distinct_calls(
+    lm: Any, salt: int, args: argparse.Namespace, meter: CpuMeter
+) -> Window:
+    """``--concurrency`` calls of `lm` kept outstanding, each on a prompt of its own, measured
+    for ``--measure-s`` after ``--warmup-s``."""
+
+    async def call(index: int) -> None:
+        await lm.next_token_logprobs(distinct_prompt(index, salt))
+
+    return await closed_loop(call, args.concurrency, args.warmup_s, args.measure_s, meter)

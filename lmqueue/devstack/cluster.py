@@ -21,6 +21,8 @@ from pathlib import Path
 
 import redis
 
+from .stop import kill_process, stop_process
+
 __all__ = ["LocalCluster", "ClusterNode"]
 
 
@@ -290,8 +292,7 @@ class LocalCluster:
         slots = self._slots_of(port)
         node = next(n for n in self.nodes if n.port == port)
         assert node.process is not None and slots, f"{port} is not a live master"
-        node.process.kill()
-        node.process.wait()
+        kill_process(node.process)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -368,15 +369,7 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop every node (SIGTERM, then SIGKILL after 5 s)."""
         for node in self.nodes:
-            if node.process is None:
-                continue
-            if node.process.poll() is None:
-                node.process.terminate()
-                try:
-                    node.process.wait(5)
-                except subprocess.TimeoutExpired:
-                    node.process.kill()
-                    node.process.wait()
+            stop_process(node.process, grace_s=5)
             node.process = None
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class LoopProcess:
     """A closed loop of `concurrency` calls of the tenant of `redis_url`, in a child process."""
 
     def __init__(self, model: str, redis_url: str, concurrency: int) -> None:
-        argv = [sys.executable, "-m", "lmqueue.bench.loop_process", model, str(concurrency)]
+        argv = [sys.executable, "-m", "lmqueue.bench.lib.loop_process", model, str(concurrency)]
         self.child = JsonChild(argv, _LINE_LIMIT)
         self.redis_url = redis_url
 
@@ -96,8 +96,8 @@ def _say(key: str, value: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The child: ``python -m lmqueue.bench.loop_process MODEL CONCURRENCY``, URL on stdin."""
-    parser = argparse.ArgumentParser(prog="lmqueue.bench.loop_process")
+    """The child: ``python -m lmqueue.bench.lib.loop_process MODEL CONCURRENCY``, URL on stdin."""
+    parser = argparse.ArgumentParser(prog="lmqueue.bench.lib.loop_process")
     parser.add_argument("model")
     parser.add_argument("concurrency", type=int)
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ class ClientProcess:
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self.child = JsonChild([sys.executable, "-m", "lmqueue.bench.transport_client"])
+        self.child = JsonChild([sys.executable, "-m", "lmqueue.bench.lib.transport_client"])
 
     async def __aenter__(self) -> ClientProcess:
         await self.child.start()
@@ -129,7 +129,7 @@ def _say(key: str, value: Any) -> None:
 
 
 def main() -> None:
-    """The child: ``python -m lmqueue.bench.transport_client``, settings on stdin."""
+    """The child: ``python -m lmqueue.bench.lib.transport_client``, settings on stdin."""
     asyncio.run(_child())
 
 

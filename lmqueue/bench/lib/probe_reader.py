@@ -1,4 +1,4 @@
-"""The raw probe's consumer: ``python -m lmqueue.bench.probe_reader --url ... --dtype ...``.
+"""The raw probe's consumer: ``python -m lmqueue.bench.lib.probe_reader --url ... --dtype ...``.
 
 A consumer-group reader in its own process, as a worker is, that answers every request entry
 with the same precomputed vector on one reply stream, then acknowledges and deletes the entry
@@ -68,7 +68,7 @@ async def _serve_until_signal(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the probe consumer until SIGTERM."""
-    parser = argparse.ArgumentParser(prog="python -m lmqueue.bench.probe_reader")
+    parser = argparse.ArgumentParser(prog="python -m lmqueue.bench.lib.probe_reader")
     parser.add_argument("--url", required=True)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     parser.add_argument("--size", type=int, required=True, help="floats per reply vector")

@@ -1,4 +1,4 @@
-"""`LocalRedis`: a private redis-server on a free loopback port, for the demo and the tests."""
+"""`LocalRedis`: a private redis-server on a free loopback port (demo, benchmarks, tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from .stop import kill_process, stop_process
 
 __all__ = ["LocalRedis", "free_port"]
 
@@ -100,24 +102,14 @@ class LocalRedis:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stderr:
+        stop_process(self.process, grace_s=5)
+        if self.process is not None and self.process.stderr:
             self.process.stderr.close()
         self.process = None
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        kill_process(self.process)
 
     def restart(self) -> None:
         """Stop and start again on the same port: an empty server, like a restart."""

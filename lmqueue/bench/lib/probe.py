@@ -16,14 +16,15 @@ import asyncio
 import itertools
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
+from lmqueue.devstack import ChildProcess
 from lmqueue.shared.connections import async_redis, sync_redis
 
 from .load import Counter, Window, measure_window
@@ -35,65 +36,36 @@ __all__ = ["ProbeReader", "run_probe"]
 _DTYPES = {"float32": "<f4", "float16": "<f2"}
 
 
-class ProbeReader:
-    """The probe's consumer as a child process (``python -m lmqueue.bench.probe_reader``)."""
+class ProbeReader(ChildProcess):
+    """The probe's consumer as a child process (``python -m lmqueue.bench.lib.probe_reader``)."""
 
     def __init__(self, url: str, dtype: str, size: int, batch: int = 32) -> None:
+        args = [sys.executable, "-m", "lmqueue.bench.lib.probe_reader", "--url", url,
+                "--dtype", dtype, "--size", str(size), "--batch", str(batch)]  # fmt: skip
+        log_path = Path(tempfile.mkdtemp(prefix="lmq-probe-")) / "reader.log"
+        super().__init__("probe-reader", args, log_path, stop_grace_s=10.0)
         self.url = url
-        self.args = [
-            sys.executable,
-            "-m",
-            "lmqueue.bench.probe_reader",
-            "--url",
-            url,
-            "--dtype",
-            dtype,
-            "--size",
-            str(size),
-            "--batch",
-            str(batch),
-        ]
-        self.log_path = Path(tempfile.mkdtemp(prefix="lmq-probe-")) / "reader.log"
-        self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 60) -> ProbeReader:
+    def start(self, timeout_s: float = 60) -> Self:
         """Start the reader and wait until its consumer group exists."""
         redis = sync_redis(self.url)
         try:
             redis.delete(READY)
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT)
+            super().start()
             deadline = time.monotonic() + timeout_s
             while not redis.exists(READY):
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                if not self.alive or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"probe reader did not start:\n{self.log_path.read_text()}")
+                    raise RuntimeError(f"probe reader did not start:\n{self.log()}")
                 time.sleep(0.05)
         finally:
             redis.close()
         return self
 
-    @property
-    def pid(self) -> int:
-        """The reader's pid."""
-        assert self.process is not None, "not started"
-        return self.process.pid
-
     def close(self) -> None:
         """Stop the reader and remove its log."""
         self.stop()
         shutil.rmtree(self.log_path.parent, ignore_errors=True)
-
-    def stop(self) -> None:
-        """SIGTERM the reader and wait for it."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 async def run_probe(

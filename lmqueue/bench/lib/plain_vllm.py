@@ -1,6 +1,6 @@
 """Plain vLLM asked for full-vocabulary rows the documented way, for ``lmq bench engines``.
 
-Run as a child process (``python -m lmqueue.bench.plain_vllm``, its arguments a JSON object on
+Run as a child process (``python -m lmqueue.bench.lib.plain_vllm``, its arguments a JSON object on
 stdin, its figures a JSON line on stdout): vLLM's offline ``LLM`` sets process-wide state
 (torch's thread count among it) that the benchmark's own process must not inherit.
 

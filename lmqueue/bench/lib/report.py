@@ -8,7 +8,6 @@ machine and a quiet 32-core one are not comparable, and the file says which is w
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import os
@@ -19,18 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Report", "machine_info", "command_parser", "save_figure", "DEFAULT_OUT_DIR"]
+__all__ = ["Report", "machine_info", "save_figure", "DEFAULT_OUT_DIR"]
 
 DEFAULT_OUT_DIR = Path("bench-results")
-
-
-def command_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
-    """The parser of ``lmq bench <name>``, its help text the module's docstring."""
-    return argparse.ArgumentParser(
-        prog=f"lmq bench {name}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
 
 
 def save_figure(fig: Any, path: Path) -> Path:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from redis.exceptions import ResponseError
 
 from lmqueue.shared.resp_socket import BIG_BULK_BYTES
 
@@ -16,3 +19,15 @@ WIRE = (
     + b":42\r\n$-1\r\n-ERR no such thing\r\n+OK\r\n*0\r\n*-1\r\n"
 )
 EXPECTED_REPLIES = 7
+
+
+def assert_wire_replies(replies: list[Any]) -> None:
+    """`replies` are `WIRE`'s seven, parsed: what either RESP reader must make of it."""
+    xread, number, nil, error, ok, empty, nil_array = replies
+    [[stream, entries]] = xread
+    assert stream == b"s" and [entry[0] for entry in entries] == [b"1-0", b"1-1"]
+    fields = entries[0][1]
+    assert fields[:3] == [b"h", b"abc", b"d"] and bytes(fields[3]) == BIG
+    assert entries[1][1] == [b"h", b""]
+    assert (number, nil, ok, empty, nil_array) == (42, None, b"OK", [], None)
+    assert isinstance(error, ResponseError) and str(error) == "ERR no such thing"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,34 @@ async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str
     assert len(dead) == 1 and dead[0][1][b"lmq.reason"].startswith(b"MalformedMessage")
     assert 0 < ttl <= 600 and pending == 0 and left == 0
     assert jobs == (1 if path == "thread" else 0)
+
+
+async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis_url: str) -> None:
+    """A client's replies of one batch are one transaction: its reader, blocked on its
+    stream, gets all of them in one read (in a plain pipeline it woke after the first)."""
+    client, reader = async_redis(redis_url), async_redis(redis_url)
+    thread = WriterThread()
+    key = KEYS.replies("client-c")
+    try:
+        stream = RequestStream(client, KEYS.requests("mock"), "w")
+        writer = ReplyWriter(client, stream, KEYS, _settings(redis_url), None, thread=thread)
+        entries = await _pending_entries(client, stream, 4)
+        outcome = Outcome(acks=[entry.entry_id for entry in entries])
+        for n in range(4):
+            outcome.result("client-c", f"r:{n}", VECTOR.data.cast("B"), "float32", cached=True)
+        outcome.result("client-d", "r:9", VECTOR.data.cast("B"), "float32", cached=True)
+        read = asyncio.create_task(reader.xread({key: "$"}, block=5000))
+        while not any(c.get("cmd") == "xread" for c in await client.client_list()):
+            await asyncio.sleep(0.01)  # the reader is blocked on the stream
+        await writer.flush(outcome)
+        got = await read
+        written = await client.xlen(key)
+    finally:
+        await thread.aclose()
+        await client.aclose()
+        await reader.aclose()
+    assert written == 4
+    assert [decode_reply(fields).request_id for _, fields in got[0][1]] == [f"r:{n}" for n in range(4)]
 
 
 @pytest.mark.cluster

@@ -267,3 +267,7 @@ class ReplyWriter:
         for result in results[puts:]:
             if isinstance(result, Exception):
                 raise result
+            if isinstance(result, list):  # a transaction's (EXEC) answers
+                failed = next((r for r in result if isinstance(r, Exception)), None)
+                if failed is not None:
+                    raise failed

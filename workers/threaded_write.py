@@ -44,11 +44,23 @@ def reply_commands(
     """XADD of every reply and dead letter, EXPIRE of every reply stream written.
 
     `reply_keys` maps client ids to their reply streams, `routes` every key to its connection.
+    A client's replies are added in one MULTI ... EXEC when there are several: its reader,
+    blocked on its stream, wakes once with all of them instead of after the first (Redis serves
+    blocked readers between a pipeline's commands, but only after a transaction's EXEC). A
+    closed loop's next calls then go out together, which shortens the round trip a worker
+    waits for (`anticipation`), and the client reads a batch's replies in one read.
     """
-    commands: list[Routed] = []
+    by_client: dict[str, list[dict[str, Any]]] = {}
     for client_id, fields in outcome.replies:
+        by_client.setdefault(client_id, []).append(fields)
+    commands: list[Routed] = []
+    for client_id, replies in by_client.items():
         key = reply_keys[client_id]
-        commands.append((routes[key], ("XADD", key, "*", *_flat(fields))))
+        target = routes[key]
+        adds = [(target, ("XADD", key, "*", *_flat(fields))) for fields in replies]
+        if len(adds) > 1:
+            adds = [(target, ("MULTI",)), *adds, (target, ("EXEC",))]
+        commands.extend(adds)
     ttl_s = settings.reply_ttl_s
     commands.extend((routes[key], ("EXPIRE", key, ttl_s)) for key in set(reply_keys.values()))
     if outcome.dead:

@@ -107,6 +107,8 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.occupancy = BackendOccupancy(forwards=forwards)
         self.returning = ReturningTenants(settings.anticipate_ms / 1000)
+        #: Whether the streams were read just now, by a wait for returning tenants that ended.
+        self._just_read = False
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
             self.lanes, self.scheduler, self.adapters,
@@ -266,6 +268,7 @@ class Worker:
                 continue
             try:
                 if self.occupancy.pick_in_s() != 0.0:  # pick when the backend is about to be done
+                    self._just_read = False
                     await self.occupancy.wait_to_pick(_IDLE_BLOCK_MS / 1000)
                     continue
                 if await self._await_returning():  # a returning tenant's calls may join it
@@ -301,6 +304,10 @@ class Worker:
             block_ms / 1000 + self.settings.redis.stall_timeout_s,
             "request read",
         )
+        # The pick that ends the wait takes what this read brought, without another read:
+        # that round trip, behind the other tenants' replies on a busy Redis, was ~1.5 ms of
+        # idle backend per forward (BENCHMARKS.md, fairness).
+        self._just_read = True
         return True
 
     def _start(self, picks: list[Pick[tuple[Lane, Entry]]]) -> None:
@@ -331,10 +338,13 @@ class Worker:
         last forward) had their wait, and the backend is idle now.
         """
         size = self.settings.batch_size
+        just_read, self._just_read = self._just_read, False
         if not self.scheduler.backlog():
             await self._read_into_scheduler(block_ms)
             if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
                 await asyncio.sleep(self.settings.max_wait_ms / 1000)
+        elif just_read:  # a wait for returning tenants read just now
+            return self.scheduler.pick(size, self.settings.max_batch_tokens)
         await self._read_into_scheduler(None)
         return self.scheduler.pick(size, self.settings.max_batch_tokens)
 

@@ -110,7 +110,8 @@ async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis
         await client.aclose()
         await reader.aclose()
     assert written == 4
-    assert [decode_reply(fields).request_id for _, fields in got[0][1]] == [f"r:{n}" for n in range(4)]
+    read_ids = [decode_reply(fields).request_id for _, fields in got[0][1]]
+    assert read_ids == [f"r:{n}" for n in range(4)]
 
 
 @pytest.mark.cluster

@@ -109,6 +109,8 @@ class Worker:
         self.returning = ReturningTenants(settings.anticipate_ms / 1000)
         #: Whether the streams were read just now, by a wait for returning tenants that ended.
         self._just_read = False
+        #: Set when the next batch is picked (replaced by a fresh one each time).
+        self._next_pick = asyncio.Event()
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
             self.lanes, self.scheduler, self.adapters,
@@ -318,6 +320,8 @@ class Worker:
             calls[pick.tenant] = (n + 1, cost + pick.charged)
         for tenant, (n, cost) in calls.items():
             self.returning.sent(tenant, n, cost, self.scheduler.backlog(tenant))
+        self._next_pick.set()
+        self._next_pick = asyncio.Event()
         release = self.occupancy.hold()
         task = asyncio.create_task(self._handle(picks, computed=release))
         self._inflight.add(task)
@@ -413,8 +417,12 @@ class Worker:
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
         computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
         With `first`, the batch has an `awaited` tenant, whose replies are written before
-        the others' (`AwaitedFirst`).
+        the others' (`AwaitedFirst`); the others' wait until the next batch is picked (at most
+        ``anticipate_ms``): written meanwhile, they and their clients' reading took Redis and
+        the cores from the awaited tenant's round trip, which the backend idles for (trace in
+        BENCHMARKS.md, fairness). Their clients have calls queued; theirs are only later.
         """
+        next_pick = self._next_pick
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
@@ -427,6 +435,8 @@ class Worker:
             self.scheduler.adjust(lane.tenant, cost - charged)
             if first is not None and not awaited:
                 await first.wait(self.settings.redis.stall_timeout_s)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(next_pick.wait(), self.returning.wait_s)
             await lane.writer.flush(outcome)
         finally:  # replied, or never will be: either way its wait for the tenant may start
             self.returning.replied(lane.tenant)

@@ -172,7 +172,9 @@ class AwaitedFirst:
     """An awaited tenant's replies are written before the other parts' of its batch: until its
     next calls are back the backend idles, and other replies written ahead of its own on the
     worker's one writer thread lengthened that idle by their writing (BENCHMARKS.md, fairness,
-    and the trace in its history).
+    and the trace in its history). The other parts then wait for the next pick as well
+    (`Worker._handle_lane`), since their writing and their clients' reading, on the same Redis
+    and cores, lengthened the awaited tenant's round trip too.
 
     Args:
         parts: how many of the batch's parts are awaited tenants'.

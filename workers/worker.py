@@ -306,9 +306,10 @@ class Worker:
             block_ms / 1000 + self.settings.redis.stall_timeout_s,
             "request read",
         )
-        # The pick that ends the wait takes what this read brought, without another read:
-        # that round trip, behind the other tenants' replies on a busy Redis, was ~1.5 ms of
-        # idle backend per forward (BENCHMARKS.md, fairness).
+        # If that fills a batch, the pick that ends the wait takes it without another read:
+        # that round trip, behind the other tenants' replies on a busy Redis, was ~0.8 ms of
+        # idle backend per forward (BENCHMARKS.md, fairness). A read that woke on the first of
+        # several requests added one by one fills none: the next read gets the rest.
         self._just_read = True
         return True
 
@@ -347,7 +348,7 @@ class Worker:
             await self._read_into_scheduler(block_ms)
             if 0 < self.scheduler.backlog() < size and self.settings.max_wait_ms:
                 await asyncio.sleep(self.settings.max_wait_ms / 1000)
-        elif just_read:  # a wait for returning tenants read just now
+        elif just_read and self.scheduler.backlog() >= size:  # a full batch read just now
             return self.scheduler.pick(size, self.settings.max_batch_tokens)
         await self._read_into_scheduler(None)
         return self.scheduler.pick(size, self.settings.max_batch_tokens)

@@ -172,16 +172,22 @@ class AwaitedFirst:
     """An awaited tenant's replies are written before the other parts' of its batch: until its
     next calls are back the backend idles, and other replies written ahead of its own on the
     worker's one writer thread lengthened that idle by their writing (BENCHMARKS.md, fairness,
-    and the trace in its history). The other parts then wait for the next pick as well
-    (`Worker._handle_lane`), since their writing and their clients' reading, on the same Redis
-    and cores, lengthened the awaited tenant's round trip too.
+    and the trace in its history). The other parts then wait for the next pick as well, since
+    their writing and their clients' reading, on the same Redis and cores, lengthened the
+    awaited tenant's round trip too; their clients have calls queued, so theirs can wait.
 
     Args:
         parts: how many of the batch's parts are awaited tenants'.
+        next_pick: set when the worker picks its next batch (None: the others do not wait for it).
+        pick_wait_s: the longest the others wait for it (the worker's ``anticipate_ms``).
     """
 
-    def __init__(self, parts: int) -> None:
+    def __init__(
+        self, parts: int, next_pick: asyncio.Event | None = None, pick_wait_s: float = 0.0
+    ) -> None:
         self._left = parts
+        self._next_pick = next_pick
+        self._pick_wait_s = pick_wait_s
         self._written = asyncio.Event()
         if parts <= 0:
             self._written.set()
@@ -194,6 +200,10 @@ class AwaitedFirst:
 
     async def wait(self, timeout_s: float) -> None:
         """Wait until every awaited part's replies are written, at most `timeout_s` (a safety
-        bound: their writing is bounded by Redis's stall timeout and retries)."""
+        bound: their writing is bounded by Redis's stall timeout and retries), then for the
+        next pick, at most ``pick_wait_s``."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._written.wait(), timeout_s)
+        if self._next_pick is not None and self._pick_wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._next_pick.wait(), self._pick_wait_s)

@@ -390,7 +390,9 @@ class Worker:
             charged[stream] = charged.get(stream, 0.0) + pick.charged
         forward = BatchForward(len(parts), computed, self.occupancy.computed)
         awaited = {s for s, (lane, _) in parts.items() if self.returning.awaits(lane.tenant)}
-        first = AwaitedFirst(len(awaited)) if 0 < len(awaited) < len(parts) else None
+        first = None
+        if 0 < len(awaited) < len(parts):  # the others' replies wait for this batch's successor
+            first = AwaitedFirst(len(awaited), self._next_pick, self.returning.wait_s)
         results = await asyncio.gather(
             *(
                 self._handle_lane(
@@ -418,12 +420,8 @@ class Worker:
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
         computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
         With `first`, the batch has an `awaited` tenant, whose replies are written before
-        the others' (`AwaitedFirst`); the others' wait until the next batch is picked (at most
-        ``anticipate_ms``): written meanwhile, they and their clients' reading took Redis and
-        the cores from the awaited tenant's round trip, which the backend idles for (trace in
-        BENCHMARKS.md, fairness). Their clients have calls queued; theirs are only later.
+        the others' (`AwaitedFirst`), and those after the next pick.
         """
-        next_pick = self._next_pick
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
         try:
@@ -436,8 +434,6 @@ class Worker:
             self.scheduler.adjust(lane.tenant, cost - charged)
             if first is not None and not awaited:
                 await first.wait(self.settings.redis.stall_timeout_s)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(next_pick.wait(), self.returning.wait_s)
             await lane.writer.flush(outcome)
         finally:  # replied, or never will be: either way its wait for the tenant may start
             self.returning.replied(lane.tenant)

@@ -77,6 +77,7 @@ async def run_smc(
     rng = np.random.default_rng(seed)
     token_rng = np.random.default_rng([seed, 1])  # its own stream: resampling does not shift it
     fetch = _fetcher(lm)
+    mask = None if allowed is None else np.asarray(allowed, dtype=bool)
     particles = [Particle() for _ in range(n_particles)]
     calls = resamples = 0
     start = time.perf_counter()
@@ -86,9 +87,9 @@ async def run_smc(
             break
         logprobs = await fetch([prompt + p.tokens for p in live])
         calls += len(live)
-        for particle, row in zip(live, logprobs, strict=True):
-            mask = allowed_for(particle.tokens) if allowed_for is not None else allowed
-            _extend(particle, row, mask, eos_token_ids, token_rng)
+        if allowed_for is not None:
+            mask = np.stack([np.asarray(allowed_for(p.tokens), dtype=bool) for p in live])
+        _extend_all(live, logprobs, mask, eos_token_ids, token_rng)
         if _effective_sample_size(particles) < n_particles / 2:
             particles = _resample(particles, rng)
             resamples += 1
@@ -110,30 +111,87 @@ def _fetcher(lm: Any) -> Callable[[list[list[int]]], Any]:
     return fetch
 
 
-def _extend(
-    particle: Particle,
-    logprobs: np.ndarray,
-    allowed: Any,
+#: Tokens per block of the two-level inverse-CDF draw (`_draw`).
+_BLOCK = 512
+
+
+def _extend_all(
+    particles: list[Particle],
+    logprobs: Any,
+    mask: np.ndarray | None,
     eos_token_ids: Sequence[int],
     rng: np.random.Generator,
 ) -> None:
-    """Weight by the allowed mass, then sample one allowed token."""
-    if allowed is not None:
-        mask = np.asarray(allowed, dtype=bool)
-        logprobs = np.where(mask, logprobs[: len(mask)], -np.inf)
-    top = float(np.max(logprobs))
-    if not math.isfinite(top):
-        particle.log_weight = -math.inf
-        particle.done = True
-        return
-    cumulative = np.cumsum(np.exp(logprobs - top, dtype=np.float64))
-    particle.log_weight += top + math.log(cumulative[-1])
-    token = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
-    token = min(token, len(cumulative) - 1)
-    if token in eos_token_ids:
-        particle.done = True
+    """Weight every particle by its allowed mass, then sample one allowed token for each.
+
+    One step of all particles is a handful of array operations over the ``(particles, vocab)``
+    matrix (float32 exponentials, float64 sums), not a float64 cumulative sum a particle: at
+    64 particles over a 49,152-token vocabulary the per-particle form cost ~55 ms a step on
+    this project's CPU, more than a GPU forward of the same step. The draw is the same
+    inverse-CDF draw (one uniform a particle whose mass is not zero, in particle order).
+
+    Args:
+        mask: None (all tokens), one boolean mask for every particle, or one a particle (rows
+            of a 2-D mask); tokens past a mask's end are disallowed.
+    """
+    rows = np.asarray(logprobs, dtype=np.float32)
+    width = rows.shape[1] if mask is None else mask.shape[-1]
+    if mask is None:
+        masked = rows.copy()
+    elif mask.ndim == 1:  # one mask for all: an additive 0 / -inf row, one broadcast sum
+        masked = rows[:, :width] + np.where(mask, np.float32(0), np.float32(-np.inf))
     else:
-        particle.tokens.append(token)
+        masked = np.where(mask, rows[:, :width], np.float32(-np.inf))
+    top = masked.max(axis=1)
+    alive = np.isfinite(top)
+    probs = masked if alive.all() else masked[alive]
+    probs -= top[alive, None]
+    np.exp(probs, out=probs)  # float32 in [0, 1], 1 at each row's top
+    cumulative = np.cumsum(_block_sums(probs), axis=1)
+    totals = cumulative[:, -1]
+    targets = rng.random(len(totals)) * totals
+    live = iter(range(len(totals)))
+    for particle, finite, row_top in zip(particles, alive, top, strict=True):
+        if not finite:
+            particle.log_weight = -math.inf
+            particle.done = True
+            continue
+        i = next(live)
+        particle.log_weight += float(row_top) + math.log(totals[i])
+        token = _draw(probs[i], cumulative[i], targets[i])
+        if token in eos_token_ids:
+            particle.done = True
+        else:
+            particle.tokens.append(token)
+
+
+def _block_sums(probs: np.ndarray) -> np.ndarray:
+    """Each row's sums over consecutive `_BLOCK` tokens (the last block may be shorter), in
+    float64 (each block summed pairwise in float32)."""
+    full = probs.shape[1] // _BLOCK * _BLOCK
+    sums = probs[:, :full].reshape(len(probs), -1, _BLOCK).sum(axis=2).astype(np.float64)
+    if full == probs.shape[1]:
+        return sums
+    return np.concatenate([sums, probs[:, full:].sum(axis=1, dtype=np.float64)[:, None]], axis=1)
+
+
+def _draw(probs: np.ndarray, cumulative: np.ndarray, target: float) -> int:
+    """The token where `probs`' running sum passes `target`: the block first (`cumulative`
+    holds the blocks' running sums), then the position inside it. Rounding that puts
+    `target` past the end picks the last token with mass, never a disallowed one."""
+    block = int(np.searchsorted(cumulative, target, side="right"))
+    if block >= len(cumulative):
+        return int(np.flatnonzero(probs)[-1])
+    start = block * _BLOCK
+    before = cumulative[block - 1] if block else 0.0
+    inside = np.cumsum(probs[start : start + _BLOCK], dtype=np.float64)
+    offset = int(np.searchsorted(inside, target - before, side="right"))
+    block_probs = probs[start : start + len(inside)]
+    if offset >= len(inside):
+        offset = int(np.flatnonzero(block_probs)[-1])
+    elif block_probs[offset] == 0:
+        offset += int(np.flatnonzero(block_probs[offset:])[0])
+    return start + offset
 
 
 def _effective_sample_size(particles: list[Particle]) -> float:

@@ -2,7 +2,7 @@
 GPUs). Prints one JSON line per figure and writes ``$OUT/forward_check.json`` as it goes, so
 a run cut short still returns what it measured.
 
-Parts (``PARTS``, comma-separated; all by default), cheapest first:
+Parts (``PARTS``, comma-separated; all by default), in this order:
 
 * ``parity``: a random model of SmolLM2-135M's shape in float32; 24 prompts (shared prefixes,
   siblings, lengths 1..300) and an SMC-shaped run (particles resampled, one token a step) through
@@ -10,14 +10,18 @@ Parts (``PARTS``, comma-separated; all by default), cheapest first:
   without (eager), and whether the graphs were captured and replayed;
 * ``smc``: the SMC workload of ``lmq bench model`` (64 particles x 24 steps, lipogram) on a random
   model of SmolLM2-1.7B's shape in bfloat16, in this process: genlm-backend at batch 64 (its best
-  grid point on the H200 baseline) against lmqueue's backend with graphs and eager, interleaved
-  over rounds; calls/s, ms per forward, peak GPU memory above the model, and one profiled run
-  each for the share of wall time in kernels;
+  grid point on the H200 baseline) against lmqueue's backend with graphs and eager, each built
+  once, interleaved over rounds, with today's sampler and with the per-particle sampler it
+  replaced (`legacy_extend_all`); calls/s, ms per forward and its share of the wall time, peak
+  GPU memory above the model, and one profiled run each for the share of wall time in kernels;
+* ``profile``: py-spy (``bin/py-spy`` beside this script) over the in-process lmqueue side of
+  ``smc`` in a child process, summarized per thread (forward thread, sampler, event loop);
 * ``forward``: ``lmq bench forward`` on the device (24 layers of width 64: overhead, not FLOPs);
 * ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first),
   ``REPEATS`` rounds (3) against genlm's full grid;
 * ``programs``: ``lmq bench programs`` K=4 (32 particles x 24 steps, genlm at its defaults, as
-  ``../shared/gpu``'s baseline): calls/s and GPU memory in use, one worker against four copies;
+  ``../shared/gpu``'s baseline): calls/s and GPU memory in use, one worker against four copies
+  (shortened or skipped to end by ``BUDGET_S`` seconds after the start, if set);
 * ``transport``: ``lmq bench transport`` on the machine's cores (vectors of the tokenizer's size).
 
 On a machine without CUDA it runs the same code on the CPU with tiny shapes (``SIZE=tiny``), to
@@ -44,9 +48,12 @@ OUT.mkdir(parents=True, exist_ok=True)
 TOK = os.environ.get("GPU_TOKENIZER", "smollm2-135m")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = DEV == "cpu" or os.environ.get("SIZE") == "tiny"
-PARTS = os.environ.get("PARTS", "parity,smc,forward,queue,programs,transport").split(",")
+PARTS = os.environ.get("PARTS", "parity,smc,profile,forward,queue,programs,transport").split(",")
 REPEATS = os.environ.get("REPEATS", "3")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
+#: The wall-clock time by which the run must end (``BUDGET_S`` seconds after start; 0: none):
+#: the last part shrinks or is skipped to fit.
+DEADLINE = time.time() + float(os.environ["BUDGET_S"]) if os.environ.get("BUDGET_S") else 0.0
 RESULTS: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"}
 SHAPES = {
     "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -160,16 +167,45 @@ def part_forward() -> None:
         )
 
 
-async def smc_one(kind: str, model: Any, tok: Any, workload: Any, profile: bool,
-                  **options: Any) -> dict[str, Any]:  # fmt: skip
+def legacy_extend_all(particles: list[Any], logprobs: Any, mask: Any, eos: Any, rng: Any) -> None:
+    """The sampler's step as it was before 2026-11-27: one float64 cumulative sum a particle
+    (for before/after figures of the same run; the draws are the same definition)."""
+    import math
+
+    import numpy as np
+
+    for i, (particle, row) in enumerate(zip(particles, logprobs, strict=True)):
+        row_mask = mask if mask is None or mask.ndim == 1 else mask[i]
+        if row_mask is not None:
+            row = np.where(row_mask, row[: len(row_mask)], -np.inf)
+        top = float(np.max(row))
+        if not math.isfinite(top):
+            particle.log_weight, particle.done = -math.inf, True
+            continue
+        cumulative = np.cumsum(np.exp(row - top, dtype=np.float64))
+        particle.log_weight += top + math.log(cumulative[-1])
+        token = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+        token = min(token, len(cumulative) - 1)
+        if token in eos:
+            particle.done = True
+        else:
+            particle.tokens.append(token)
+
+
+def smc_backend(kind: str, model: Any, tok: Any, **options: Any) -> Any:
     if kind == "genlm":
         from genlm.backend.llm import AsyncTransformer as Genlm
 
-        lm = Genlm(model, tok, **options)
-    else:
-        lm = backend(model, tok, **options)
-        await lm.__aenter__()
+        return Genlm(model, tok, **options)
+    return backend(model, tok, **options)
+
+
+async def smc_one(kind: str, lm: Any, workload: Any, profile: bool) -> dict[str, Any]:
+    """One run of `workload` on `lm` (built once a side: a user's program keeps its backend;
+    the caches are cleared after each run, the captured graphs and allocators stay)."""
     lm.cache_kv(workload.prompt)
+    stats_before = None if kind == "genlm" else (lm.stats.forwards, lm.stats.forward_s,
+                                                 lm.stats.rows)  # fmt: skip
     if DEV == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -189,57 +225,148 @@ async def smc_one(kind: str, model: Any, tok: Any, workload: Any, profile: bool,
     else:
         result = await workload.run(lm)
         wall = time.perf_counter() - started
-    figures = {"calls_per_s": round(result.calls / wall, 1), "wall_s": round(wall, 2),
+    figures = {"calls_per_s": round(result.calls / wall, 1), "wall_s": round(wall, 3),
                "peak_mib_above": round((torch.cuda.max_memory_allocated() - base) / 2**20)
                if DEV == "cuda" else 0, "kernel_share": share}  # fmt: skip
-    if kind == "genlm":
-        lm.clear_cache()
-    else:
+    if stats_before is not None:
         stats = lm.stats
-        figures["ms_per_forward"] = round(1000 * stats.forward_s / max(stats.forwards, 1), 2)
-        figures["rows_per_forward"] = round(stats.rows / max(stats.forwards, 1), 1)
+        forwards = stats.forwards - stats_before[0]
+        figures["ms_per_forward"] = round(1000 * (stats.forward_s - stats_before[1])
+                                          / max(forwards, 1), 2)  # fmt: skip
+        figures["rows_per_forward"] = round((stats.rows - stats_before[2]) / max(forwards, 1), 1)
+        figures["forward_share"] = round((stats.forward_s - stats_before[1]) / wall, 3)
         figures["replays"] = lm._graphs.replays if lm._graphs else 0
-        await lm.__aexit__(None, None, None)
+        figures["captures"] = lm._graphs.captures if lm._graphs else 0
+    lm.clear_cache()
     return figures
 
 
-def part_smc(tok: Any) -> None:
+SMC_CONFIGS = [
+    ("genlm_b64", "genlm", {"timeout": 0.005}),
+    ("lmq_graphs", "lmq", {"timeout": 0.005, "max_batch_tokens": 65536}),
+    ("lmq_eager", "lmq", {"timeout": 0.005, "max_batch_tokens": 65536, "graph_positions": 0}),
+]
+
+
+async def smc_rounds(model: Any, tok: Any, workload: Any, particles: int) -> None:
+    """Every side built once; round -1 warms them up, then ROUNDS rounds with today's sampler
+    and ROUNDS with the sampler as it was (`legacy_extend_all`), interleaved side by side;
+    the last round, profiled, is in no ratio."""
+    import lmqueue.scheduler.smc_sampler as sampler
+
+    current = sampler._extend_all
+    lms = {label: smc_backend(kind, model, tok, batch_size=particles, **options)
+           for label, kind, options in SMC_CONFIGS}  # fmt: skip
+    for label, kind, _ in SMC_CONFIGS:
+        if kind == "lmq":
+            await lms[label].__aenter__()
+    per_s: dict[tuple[str, str], list[float]] = {}
+    schedule = [("now", -1)] + [(which, r) for r in range(ROUNDS) for which in ("now", "legacy")]
+    schedule.append(("now", ROUNDS))
+    for which, round_index in schedule:
+        sampler._extend_all = current if which == "now" else legacy_extend_all
+        for label, kind, _ in SMC_CONFIGS:
+            if which == "legacy" and label == "lmq_eager":
+                continue
+            try:
+                fig = await smc_one(kind, lms[label], workload, round_index == ROUNDS)
+            except Exception as exc:
+                fig = {"error": repr(exc)[:600]}
+            log(**{f"smc_{label}_{which}_r{round_index}": fig})
+            if 0 <= round_index < ROUNDS and "calls_per_s" in fig:
+                per_s.setdefault((label, which), []).append(fig["calls_per_s"])
+    sampler._extend_all = current
+    log_ratios(per_s)
+    for label, kind, _ in SMC_CONFIGS:
+        if kind == "lmq":
+            await lms[label].__aexit__(None, None, None)
+
+
+def log_ratios(per_s: dict[tuple[str, str], list[float]]) -> None:
+    """lmqueue over genlm, round by round, for each sampler."""
+    for which in ("now", "legacy"):
+        for label in ("lmq_graphs", "lmq_eager"):
+            ours, theirs = per_s.get((label, which), []), per_s.get(("genlm_b64", which), [])
+            ratios = [round(a / b, 3) for a, b in zip(ours, theirs, strict=False) if b]
+            if ratios:
+                log(**{f"smc_{label}_over_genlm_{which}": {"worst": min(ratios),
+                       "median": statistics.median(ratios), "rounds": ratios}})  # fmt: skip
+
+
+def smc_workload(tok: Any) -> Any:
     from lmqueue.bench.lib.workload import Workload
     from lmqueue.shared.lm.vocab import decode_vocab
 
-    model = build(tok, "big", torch.float32 if TINY else torch.bfloat16)
     particles, steps = (8, 6) if TINY else (64, 24)
-    workload = Workload.for_tokenizer(tok, decode_vocab(tok)[0], 100, particles=particles,
-                                      steps=steps, seed=0)  # fmt: skip
-    configs = [
-        ("genlm_b64", "genlm", dict(batch_size=particles, timeout=0.005)),
-        ("lmq_graphs", "lmq", dict(batch_size=particles, timeout=0.005, max_batch_tokens=65536)),
-        ("lmq_eager", "lmq", dict(batch_size=particles, timeout=0.005, max_batch_tokens=65536,
-                                  graph_positions=0)),
-    ]  # fmt: skip
-    per_s: dict[str, list[float]] = {label: [] for label, _, _ in configs}
-    for round_index in range(-1, ROUNDS + 1):
-        # round -1 warms every side up (CUDA context, kernels); the last is profiled (slower);
-        # neither is in the ratios
-        profile = round_index == ROUNDS
-        for label, kind, options in configs:
-            try:
-                fig = asyncio.run(smc_one(kind, model, tok, workload, profile, **options))
-            except Exception as exc:
-                fig = {"error": repr(exc)[:600]}
-            log(**{f"smc_{label}_r{round_index}": fig})
-            if 0 <= round_index < ROUNDS and "calls_per_s" in fig:
-                per_s[label].append(fig["calls_per_s"])
-    for label in ("lmq_graphs", "lmq_eager"):
-        ratios = [a / b for a, b in zip(per_s[label], per_s["genlm_b64"], strict=True) if b]
-        if ratios:
-            log(**{f"smc_{label}_over_genlm": {"worst": round(min(ratios), 3),
-                   "median": round(statistics.median(ratios), 3), "rounds": ratios}})  # fmt: skip
+    return Workload.for_tokenizer(tok, decode_vocab(tok)[0], 100, particles=particles,
+                                  steps=steps, seed=0)  # fmt: skip
+
+
+def part_smc(tok: Any) -> None:
+    model = build(tok, "big", torch.float32 if TINY else torch.bfloat16)
+    workload = smc_workload(tok)
+    asyncio.run(smc_rounds(model, tok, workload, workload.particles))
     if not TINY and ("queue" in PARTS or "programs" in PARTS):
         path = Path("/tmp/gpu-models/big")
         model.save_pretrained(path)
         tok.save_pretrained(path)
     del model
+
+
+async def smc_profiled(model: Any, tok: Any) -> None:
+    """The in-process lmqueue side alone (graphs), for a sampling profiler: a warm-up run,
+    then ROUNDS runs, each line with its calls/s and forward share."""
+    workload = smc_workload(tok)
+    lm = backend(model, tok, batch_size=workload.particles, timeout=0.005,
+                 max_batch_tokens=65536)  # fmt: skip
+    async with lm:
+        for index in range(-1, ROUNDS):
+            fig = await smc_one("lmq", lm, workload, False)
+            print(json.dumps({f"profiled_r{index}": fig}), flush=True)
+
+
+def part_profile(tok: Any) -> None:
+    """py-spy (``.gpu/bin/py-spy``, if there) over this script's `smc_profiled`, summarized per
+    thread into ``profile_*`` figures: where the wall time of the in-process SMC goes."""
+    spy = Path(__file__).parent / "bin" / "py-spy"
+    if not spy.exists():
+        log(profile_skipped=f"no {spy}")
+        return
+    raw = OUT / "smc_profile.raw"
+    env = {**os.environ, "PARTS": "smcprofiled"}
+    cmd = [str(spy), "record", "-r", "400", "--threads", "--idle", "--nonblocking", "-f", "raw",
+           "-o", str(raw), "--", sys.executable, __file__]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    log(profile_rc=proc.returncode,
+        profile_out=[line for line in proc.stdout.splitlines() if "profiled_r" in line],
+        profile_err=proc.stderr[-600:])  # fmt: skip
+    if raw.exists():
+        log(**{"profile_summary": summarize(raw, "_compute", "Workload.run", "_run_once")})
+
+
+def summarize(raw: Path, *keys: str) -> dict[str, Any]:
+    """Samples per thread, and each thread's top frames (self and inclusive) during `keys`."""
+    from collections import Counter
+
+    threads: Counter[str] = Counter()
+    inclusive: dict[str, Counter[str]] = {}
+    own: dict[str, Counter[str]] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].split("(")[-1].strip("): ")[:40] if frames else "?"
+        inside = next((k for k in keys if any(k in f for f in frames)), None)
+        threads[f"{thread} {'in ' + inside if inside else 'other'}"] += int(count)
+        if inside is None:
+            continue
+        names = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1][:48] for f in frames[1:]]
+        for name in set(names):
+            inclusive.setdefault(inside, Counter())[name] += int(count)
+        if names:
+            own.setdefault(inside, Counter())[names[-1]] += int(count)
+    return {"threads": threads.most_common(12),
+            "inclusive": {k: v.most_common(40) for k, v in inclusive.items()},
+            "self": {k: v.most_common(30) for k, v in own.items()}}  # fmt: skip
 
 
 def bench(name: str, args: list[str], timeout: float) -> None:
@@ -267,8 +394,13 @@ def part_queue() -> None:
 def part_programs() -> None:
     if TINY:
         return
-    bench("programs", ["--model", "/tmp/gpu-models/big", "--programs", "4", "--particles", "32",
-                       "--steps", "24", "--anchor-grid", "defaults"], timeout=200)  # fmt: skip
+    left = DEADLINE - time.time() - 15 if DEADLINE else 200
+    if left < 60:
+        log(programs_skipped=f"{left:.0f} s left of the run's budget")
+        return
+    args = ["--model", "/tmp/gpu-models/big", "--programs", "4", "--particles", "32",
+            "--steps", "24", "--anchor-grid", "defaults"]  # fmt: skip
+    bench("programs", args, timeout=min(200, left))
 
 
 def part_transport() -> None:
@@ -277,11 +409,16 @@ def part_transport() -> None:
 
 
 def main() -> None:
+    if PARTS == ["smcprofiled"]:  # the child of `part_profile`: prints, writes no JSON
+        tok = tokenizer()
+        asyncio.run(smc_profiled(build(tok, "big", torch.float32 if TINY else torch.bfloat16), tok))
+        return
     log(torch=torch.__version__, parts=PARTS, tiny=TINY)
     tok = tokenizer()
     for part, run in (("parity", lambda: part_parity(tok)), ("smc", lambda: part_smc(tok)),
-                      ("forward", part_forward), ("queue", part_queue),
-                      ("programs", part_programs), ("transport", part_transport)):  # fmt: skip
+                      ("queue", part_queue), ("profile", lambda: part_profile(tok)),
+                      ("forward", part_forward), ("programs", part_programs),
+                      ("transport", part_transport)):  # fmt: skip
         if part in PARTS:
             started = time.time()
             try:

@@ -12,8 +12,10 @@ arrays (``batch_next_token_logprobs_numpy``), so a program built on it never imp
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,43 +138,84 @@ def _extend_all(
     """
     rows = np.asarray(logprobs, dtype=np.float32)
     width = rows.shape[1] if mask is None else mask.shape[-1]
-    if mask is None:
-        masked = rows.copy()
-    elif mask.ndim == 1:  # one mask for all: an additive 0 / -inf row, one broadcast sum
-        masked = rows[:, :width] + np.where(mask, np.float32(0), np.float32(-np.inf))
-    else:
-        masked = np.where(mask, rows[:, :width], np.float32(-np.inf))
-    top = masked.max(axis=1)
+    probs = np.empty((len(rows), width), dtype=np.float32)
+    top = np.empty(len(rows), dtype=np.float32)
+    sums = np.empty((len(rows), -(-width // _BLOCK)), dtype=np.float64)
+    chunks = _chunks(len(rows), width)
+    if len(chunks) == 1:
+        _weigh(rows, mask, probs, top, sums, chunks[0])
+    else:  # numpy releases the GIL in its loops: the chunks run on as many cores
+        list(_threads().map(lambda c: _weigh(rows, mask, probs, top, sums, c), chunks))
     alive = np.isfinite(top)
-    probs = masked if alive.all() else masked[alive]
-    probs -= top[alive, None]
-    np.exp(probs, out=probs)  # float32 in [0, 1], 1 at each row's top
-    cumulative = np.cumsum(_block_sums(probs), axis=1)
-    totals = cumulative[:, -1]
+    cumulative = np.cumsum(sums, axis=1)
+    totals = cumulative[alive, -1]
     targets = rng.random(len(totals)) * totals
     live = iter(range(len(totals)))
-    for particle, finite, row_top in zip(particles, alive, top, strict=True):
+    for i, (particle, finite, row_top) in enumerate(zip(particles, alive, top, strict=True)):
         if not finite:
             particle.log_weight = -math.inf
             particle.done = True
             continue
-        i = next(live)
-        particle.log_weight += float(row_top) + math.log(totals[i])
-        token = _draw(probs[i], cumulative[i], targets[i])
+        target = targets[next(live)]
+        particle.log_weight += float(row_top) + math.log(cumulative[i, -1])
+        token = _draw(probs[i], cumulative[i], target)
         if token in eos_token_ids:
             particle.done = True
         else:
             particle.tokens.append(token)
 
 
-def _block_sums(probs: np.ndarray) -> np.ndarray:
-    """Each row's sums over consecutive `_BLOCK` tokens (the last block may be shorter), in
-    float64 (each block summed pairwise in float32)."""
-    full = probs.shape[1] // _BLOCK * _BLOCK
-    sums = probs[:, :full].reshape(len(probs), -1, _BLOCK).sum(axis=2).astype(np.float64)
-    if full == probs.shape[1]:
-        return sums
-    return np.concatenate([sums, probs[:, full:].sum(axis=1, dtype=np.float64)[:, None]], axis=1)
+#: Fewest matrix entries a thread of `_weigh` gets (below it, threads cost more than they save).
+_CHUNK_ENTRIES = 1 << 19
+
+
+def _chunks(count: int, width: int) -> list[slice]:
+    """The row ranges `_weigh` runs on, one a thread of `_threads` (one range if small)."""
+    parts = max(1, min(_THREADS, count * width // _CHUNK_ENTRIES, count))
+    bounds = np.linspace(0, count, parts + 1).astype(int)
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+_THREADS = min(8, os.cpu_count() or 1)
+_pool: ThreadPoolExecutor | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="lmq-smc-weigh")
+    return _pool
+
+
+def _weigh(
+    rows: np.ndarray,
+    mask: np.ndarray | None,
+    probs: np.ndarray,
+    top: np.ndarray,
+    sums: np.ndarray,
+    part: slice,
+) -> None:
+    """For the rows in `part`: each row's allowed maximum into `top` (-inf: none allowed), its
+    allowed tokens' probabilities relative to it into `probs` (0 where disallowed; 1 at the
+    maximum), and their sums over consecutive `_BLOCK` tokens into `sums` (each block summed
+    pairwise in float32, the last block possibly shorter)."""
+    out, width = probs[part], probs.shape[1]
+    if mask is None:
+        np.copyto(out, rows[part])
+    elif mask.ndim == 1:  # one mask for all: an additive 0 / -inf row, one broadcast sum
+        np.add(rows[part, :width], np.where(mask, np.float32(0), np.float32(-np.inf)), out=out)
+    else:
+        out[...] = np.float32(-np.inf)
+        np.copyto(out, rows[part, :width], where=mask[part])
+    row_top = top[part]
+    out.max(axis=1, out=row_top)
+    out -= np.where(np.isfinite(row_top), row_top, np.float32(0))[:, None]
+    np.exp(out, out=out)
+    full = width // _BLOCK * _BLOCK
+    row_sums = sums[part]
+    row_sums[:, : full // _BLOCK] = out[:, :full].reshape(len(out), -1, _BLOCK).sum(axis=2)
+    if full < width:
+        row_sums[:, -1] = out[:, full:].sum(axis=1, dtype=np.float64)
 
 
 def _draw(probs: np.ndarray, cumulative: np.ndarray, target: float) -> int:

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from lmqueue.scheduler import smc_sampler
 from lmqueue.scheduler.smc_sampler import Particle, _extend_all, run_smc
 
 VOCAB = 49_152 + 37  # SmolLM2's size plus a ragged last block
@@ -106,3 +107,18 @@ async def test_a_run_never_samples_a_disallowed_token() -> None:
     assert result.calls == 8 * 12
     assert all(allowed[t] for p in result.particles for t in p.tokens)
     assert all(len(p.tokens) == 12 for p in result.particles)
+
+
+@pytest.mark.parametrize("kind", ["shared", "per_particle"])
+def test_rows_weighed_on_several_threads_equal_rows_weighed_on_one(monkeypatch, kind) -> None:
+    rows = _rows(64, seed=6)
+    rng = np.random.default_rng(8)
+    mask = rng.random(VOCAB) < 0.3 if kind == "shared" else rng.random((64, VOCAB)) < 0.3
+    results = []
+    for threads in (1, 4):
+        monkeypatch.setattr(smc_sampler, "_THREADS", threads)
+        particles = [Particle() for _ in range(64)]
+        _extend_all(particles, rows, mask, (), np.random.default_rng(1))
+        results.append([(p.tokens, p.log_weight) for p in particles])
+    assert len(smc_sampler._chunks(64, VOCAB)) == 4
+    assert results[0] == results[1]

@@ -11,6 +11,7 @@ arrays (``batch_next_token_logprobs_numpy``), so a program built on it never imp
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
@@ -101,16 +102,40 @@ async def run_smc(
 
 
 def _fetcher(lm: Any) -> Callable[[list[list[int]]], Any]:
-    """The batch call of `lm` that returns numpy rows: its own, or a tensor call converted."""
-    numpy_call = getattr(lm, "batch_next_token_logprobs_numpy", None)
-    if numpy_call is not None:
-        return numpy_call
+    """How a step gets `lm`'s rows: its single calls at once (``next_token_logprobs_numpy``,
+    else ``next_token_logprobs``), each row as the backend returned it, so no (particles x
+    vocabulary) copy is made only to be read once by `_extend_all`; an `lm` with batch calls
+    only is asked for the batch."""
+    single = getattr(lm, "next_token_logprobs_numpy", None) or getattr(
+        lm, "next_token_logprobs", None
+    )
+    if single is None:
+        numpy_call = getattr(lm, "batch_next_token_logprobs_numpy", None)
+        if numpy_call is not None:
+            return numpy_call
 
-    async def fetch(prompts: list[list[int]]) -> np.ndarray:
-        rows = await lm.batch_next_token_logprobs(prompts)
-        return np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows, dtype=np.float32)
+        async def fetch_batch(prompts: list[list[int]]) -> np.ndarray:
+            rows = await lm.batch_next_token_logprobs(prompts)
+            return np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows, dtype=np.float32)
+
+        return fetch_batch
+
+    async def fetch(prompts: list[list[int]]) -> Any:
+        return _host_rows(await asyncio.gather(*(single(p) for p in prompts)))
 
     return fetch
+
+
+def _host_rows(rows: list[Any]) -> Any:
+    """`rows` as numpy rows on the host: arrays as they are, host tensors as views of their
+    memory, device tensors stacked there and copied in one transfer (a 2-D array)."""
+    if not rows or isinstance(rows[0], np.ndarray):
+        return rows
+    if all(getattr(row, "device", None) is None or row.device.type == "cpu" for row in rows):
+        return [row.numpy() if hasattr(row, "numpy") else np.asarray(row) for row in rows]
+    import torch  # only a torch backend returns device tensors
+
+    return torch.stack(rows).cpu().numpy()
 
 
 #: Tokens per block of the two-level inverse-CDF draw (`_draw`).
@@ -133,11 +158,12 @@ def _extend_all(
     inverse-CDF draw (one uniform a particle whose mass is not zero, in particle order).
 
     Args:
+        logprobs: a 2-D array, or a sequence of 1-D rows (read in place, never stacked).
         mask: None (all tokens), one boolean mask for every particle, or one a particle (rows
             of a 2-D mask); tokens past a mask's end are disallowed.
     """
-    rows = np.asarray(logprobs, dtype=np.float32)
-    width = rows.shape[1] if mask is None else mask.shape[-1]
+    rows = logprobs if isinstance(logprobs, np.ndarray) else list(logprobs)
+    width = len(rows[0]) if mask is None else mask.shape[-1]
     probs = np.empty((len(rows), width), dtype=np.float32)
     top = np.empty(len(rows), dtype=np.float32)
     sums = np.empty((len(rows), -(-width // _BLOCK)), dtype=np.float64)
@@ -188,7 +214,7 @@ def _threads() -> ThreadPoolExecutor:
 
 
 def _weigh(
-    rows: np.ndarray,
+    rows: np.ndarray | list[Any],
     mask: np.ndarray | None,
     probs: np.ndarray,
     top: np.ndarray,
@@ -200,13 +226,23 @@ def _weigh(
     maximum), and their sums over consecutive `_BLOCK` tokens into `sums` (each block summed
     pairwise in float32, the last block possibly shorter)."""
     out, width = probs[part], probs.shape[1]
-    if mask is None:
-        np.copyto(out, rows[part])
-    elif mask.ndim == 1:  # one mask for all: an additive 0 / -inf row, one broadcast sum
-        np.add(rows[part, :width], np.where(mask, np.float32(0), np.float32(-np.inf)), out=out)
-    else:
-        out[...] = np.float32(-np.inf)
-        np.copyto(out, rows[part, :width], where=mask[part])
+    # one 2-D operation over an array's rows; row by row over a sequence (the same reads)
+    pairs = (
+        [(out, rows[part, :width])]
+        if isinstance(rows, np.ndarray)
+        else [(out[j], np.asarray(row)[:width]) for j, row in enumerate(rows[part])]
+    )
+    shared = mask is not None and mask.ndim == 1  # one mask for all: an additive 0 / -inf row
+    additive = np.where(mask, np.float32(0), np.float32(-np.inf)) if shared else None
+    for j, (dest, source) in enumerate(pairs):
+        if mask is None:
+            np.copyto(dest, source)
+        elif additive is not None:
+            np.add(source, additive, out=dest)
+        else:
+            rows_mask = mask[part] if dest.ndim == 2 else mask[part.start + j]
+            dest[...] = np.float32(-np.inf)
+            np.copyto(dest, source, where=rows_mask)
     row_top = top[part]
     out.max(axis=1, out=row_top)
     out -= np.where(np.isfinite(row_top), row_top, np.float32(0))[:, None]

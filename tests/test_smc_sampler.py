@@ -122,3 +122,31 @@ def test_rows_weighed_on_several_threads_equal_rows_weighed_on_one(monkeypatch, 
         results.append([(p.tokens, p.log_weight) for p in particles])
     assert len(smc_sampler._chunks(64, VOCAB)) == 4
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("kind", ["none", "shared", "per_particle"])
+def test_rows_given_one_by_one_weigh_as_the_stacked_array(kind: str) -> None:
+    rows = _rows(16, seed=3)
+    rng = np.random.default_rng(2)
+    mask = {"none": None, "shared": rng.random(VOCAB - 9) < 0.4,
+            "per_particle": rng.random((16, VOCAB)) < 0.4}[kind]  # fmt: skip
+    results = []
+    for given in (rows, list(rows)):
+        particles = [Particle() for _ in range(16)]
+        _extend_all(particles, given, mask, (), np.random.default_rng(4))
+        results.append([(p.tokens, p.log_weight) for p in particles])
+    assert results[0] == results[1]
+
+
+async def test_a_step_asks_an_lm_with_single_calls_for_its_rows_one_by_one() -> None:
+    rows = _rows(4, seed=5)
+    asked: list[list[int]] = []
+
+    class Single:
+        async def next_token_logprobs_numpy(self, prompt: list[int]) -> np.ndarray:
+            asked.append(prompt)
+            return rows[len(prompt) % 4]
+
+    result = await run_smc(Single(), [1], 4, 3, seed=2)
+    assert result.calls == 12 and len(asked) == 12
+    assert all(len(p.tokens) == 3 for p in result.particles)

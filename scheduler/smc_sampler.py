@@ -232,8 +232,9 @@ def _weigh(
         if isinstance(rows, np.ndarray)
         else [(out[j], np.asarray(row)[:width]) for j, row in enumerate(rows[part])]
     )
-    shared = mask is not None and mask.ndim == 1  # one mask for all: an additive 0 / -inf row
-    additive = np.where(mask, np.float32(0), np.float32(-np.inf)) if shared else None
+    additive = None  # one mask for all: an additive 0 / -inf row
+    if mask is not None and mask.ndim == 1:
+        additive = np.where(mask, np.float32(0), np.float32(-np.inf))
     for j, (dest, source) in enumerate(pairs):
         if mask is None:
             np.copyto(dest, source)

@@ -132,7 +132,8 @@ def _host_rows(rows: list[Any]) -> Any:
     if not rows or isinstance(rows[0], np.ndarray):
         return rows
     if all(getattr(row, "device", None) is None or row.device.type == "cpu" for row in rows):
-        return [row.numpy() if hasattr(row, "numpy") else np.asarray(row) for row in rows]
+        # float32 rows are viewed, not copied (`.float()` of a float32 tensor is itself)
+        return [row.detach().float().numpy() if hasattr(row, "detach") else row for row in rows]
     import torch  # only a torch backend returns device tensors
 
     return torch.stack(rows).cpu().numpy()

@@ -150,3 +150,23 @@ async def test_a_step_asks_an_lm_with_single_calls_for_its_rows_one_by_one() -> 
     result = await run_smc(Single(), [1], 4, 3, seed=2)
     assert result.calls == 12 and len(asked) == 12
     assert all(len(p.tokens) == 3 for p in result.particles)
+
+
+async def test_host_tensors_are_read_in_place_and_half_precision_ones_widened() -> None:
+    import torch
+
+    rows = torch.from_numpy(_rows(4, seed=7))
+    given = {"float32": rows, "bfloat16": rows.to(torch.bfloat16)}
+
+    class Tensors:
+        def __init__(self, dtype: str) -> None:
+            self.dtype = dtype
+
+        async def next_token_logprobs(self, prompt: list[int]) -> torch.Tensor:
+            return given[self.dtype][len(prompt) % 4]
+
+    for dtype in given:
+        result = await run_smc(Tensors(dtype), [1], 4, 2, seed=3)
+        assert result.calls == 8 and all(len(p.tokens) == 2 for p in result.particles)
+    host = smc_sampler._host_rows([rows[0], rows[1]])
+    assert np.shares_memory(host[0], rows.numpy())

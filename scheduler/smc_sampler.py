@@ -4,9 +4,10 @@ Particles extend a prompt one token at a time. Each step asks the model for ever
 particle's next-token distribution (one concurrent batch of calls), weights each particle by
 the probability mass its constraint allows, samples an allowed token, and resamples when the
 effective sample size collapses, which duplicates particles (and so repeats prompts, which the
-caches answer). It runs against anything with ``batch_next_token_logprobs``: a `QueueLM`, or an
-in-process backend for comparison. The sampler itself is numpy: with a `QueueLM` it asks for
-arrays (``batch_next_token_logprobs_numpy``), so a program built on it never imports torch.
+caches answer). It runs against anything with ``next_token_logprobs`` (or only
+``batch_next_token_logprobs``): a `QueueLM`, or an in-process backend for comparison. The
+sampler itself is numpy: with a `QueueLM` it asks for arrays (``next_token_logprobs_numpy``),
+so a program built on it never imports torch.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ async def run_smc(
     """Run `n_steps` of SMC with `n_particles` from `prompt`.
 
     Args:
-        lm: has ``async batch_next_token_logprobs(list[list[int]]) -> Tensor`` (or
-            ``batch_next_token_logprobs_numpy``, preferred: no tensors).
+        lm: has ``async next_token_logprobs_numpy(list[int])`` or ``next_token_logprobs``
+            (a step makes its calls at once), else ``batch_next_token_logprobs[_numpy]``.
         allowed: boolean mask (array or tensor) of the tokens the constraint allows (None: all).
         allowed_for: a mask per particle, from its tokens so far (wins over `allowed`).
         eos_token_ids: tokens that finish a particle.
@@ -136,7 +137,7 @@ def _host_rows(rows: list[Any]) -> Any:
         return [row.detach().float().numpy() if hasattr(row, "detach") else row for row in rows]
     import torch  # only a torch backend returns device tensors
 
-    return torch.stack(rows).cpu().numpy()
+    return torch.stack(rows).float().cpu().numpy()
 
 
 #: Tokens per block of the two-level inverse-CDF draw (`_draw`).
@@ -176,14 +177,13 @@ def _extend_all(
     alive = np.isfinite(top)
     cumulative = np.cumsum(sums, axis=1)
     totals = cumulative[alive, -1]
-    targets = rng.random(len(totals)) * totals
-    live = iter(range(len(totals)))
+    targets = iter(rng.random(len(totals)) * totals)  # one uniform a particle with mass
     for i, (particle, finite, row_top) in enumerate(zip(particles, alive, top, strict=True)):
         if not finite:
             particle.log_weight = -math.inf
             particle.done = True
             continue
-        target = targets[next(live)]
+        target = next(targets)
         particle.log_weight += float(row_top) + math.log(cumulative[i, -1])
         token = _draw(probs[i], cumulative[i], target)
         if token in eos_token_ids:
@@ -227,24 +227,26 @@ def _weigh(
     maximum), and their sums over consecutive `_BLOCK` tokens into `sums` (each block summed
     pairwise in float32, the last block possibly shorter)."""
     out, width = probs[part], probs.shape[1]
+    own_masks = mask[part] if mask is not None and mask.ndim == 2 else None
     # one 2-D operation over an array's rows; row by row over a sequence (the same reads)
-    pairs = (
-        [(out, rows[part, :width])]
-        if isinstance(rows, np.ndarray)
-        else [(out[j], np.asarray(row)[:width]) for j, row in enumerate(rows[part])]
-    )
+    if isinstance(rows, np.ndarray):
+        triples = [(out, rows[part, :width], own_masks)]
+    else:
+        triples = [
+            (out[j], np.asarray(row)[:width], None if own_masks is None else own_masks[j])
+            for j, row in enumerate(rows[part])
+        ]
     additive = None  # one mask for all: an additive 0 / -inf row
-    if mask is not None and mask.ndim == 1:
+    if mask is not None and own_masks is None:
         additive = np.where(mask, np.float32(0), np.float32(-np.inf))
-    for j, (dest, source) in enumerate(pairs):
-        if mask is None:
-            np.copyto(dest, source)
-        elif additive is not None:
+    for dest, source, own_mask in triples:
+        if additive is not None:
             np.add(source, additive, out=dest)
-        else:
-            rows_mask = mask[part] if dest.ndim == 2 else mask[part.start + j]
+        elif own_mask is not None:
             dest[...] = np.float32(-np.inf)
-            np.copyto(dest, source, where=rows_mask)
+            np.copyto(dest, source, where=own_mask)
+        else:
+            np.copyto(dest, source)
     row_top = top[part]
     out.max(axis=1, out=row_top)
     out -= np.where(np.isfinite(row_top), row_top, np.float32(0))[:, None]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmqueue.shared.errors import MalformedMessage
-from lmqueue.shared.wire import Reply, decode_reply
+from lmqueue.shared.wire import Reply, decode_packed, decode_reply
 
 __all__ = ["ReplyBatch", "decode_entries", "run_id_of", "after"]
 
@@ -25,7 +25,7 @@ class ReplyBatch:
     last_id: str | None = None
     #: ``INFO server``'s run id, when the read checked it.
     run_id: str | None = None
-    #: Entries read.
+    #: Replies read (a packed entry counts each of its replies).
     read: int = 0
     #: Results (payload present) and errors, ready to settle.
     ready: list[Reply] = field(default_factory=list)
@@ -43,16 +43,24 @@ def decode_entries(entries: Sequence[tuple[Any, Any]], batch: ReplyBatch) -> Rep
     """Decode stream entries (fields as a dict, or RESP's flat name-value list) into `batch`."""
     for entry_id, fields in entries:
         batch.last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        batch.read += 1
+        fields = fields if isinstance(fields, dict) else _pairs(fields)
         try:
-            reply = decode_reply(fields if isinstance(fields, dict) else _pairs(fields))
+            if b"p" in fields:  # several replies without payload, packed (shared.wire)
+                decoded = decode_packed(fields)
+            else:
+                decoded = [decode_reply(fields)]
         except MalformedMessage as exc:
+            batch.read += 1
             batch.malformed.append((batch.last_id, exc))
             continue
-        if reply.claim is None:
-            batch.ready.append(reply)
-        else:
-            batch.claims.append(reply)
+        batch.read += len(decoded)
+        for reply in decoded:
+            if isinstance(reply, MalformedMessage):
+                batch.malformed.append((batch.last_id, reply))
+            elif reply.claim is None:
+                batch.ready.append(reply)
+            else:
+                batch.claims.append(reply)
     return batch
 
 

@@ -246,7 +246,7 @@ class RequestChannel:
         request = Request(
             self.inflight.next_request_id(), self.client_id, prompt.tokens, kind, dtype,
             deadline_ms, claims=kind == "logprobs" and self.claims.enabled,
-            adapter=prompt.adapter, **extra,
+            adapter=prompt.adapter, packs=True, **extra,
         )  # fmt: skip
         pending = self.inflight.add(request, prompt, dedup_key, remaining_s)
         self.submitter.submit(pending)

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import redis
 
+from lmqueue.producer.reply_batch import ReplyBatch, decode_entries
 from lmqueue.shared.connections import async_redis, connect_async_redis
 from lmqueue.shared.errors import MalformedMessage
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
-from lmqueue.shared.wire import decode_reply
+from lmqueue.shared.wire import MAX_PACKED, decode_packed, decode_reply
 from lmqueue.workers.outcome import Outcome
 from lmqueue.workers.reply_writer import ReplyWriter
 from lmqueue.workers.request_stream import RequestStream
@@ -85,6 +86,41 @@ async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str
     assert jobs == (1 if path == "thread" else 0)
 
 
+@pytest.mark.parametrize("path", ["thread", "redis-py"])
+async def test_a_packing_clients_claims_and_errors_travel_in_one_entry(
+    redis_url: str, path: str
+) -> None:
+    """client-a reads packed entries: its two claim-checks and its error are one entry; the
+    other client's replies, and results with a vector, stay an entry each."""
+    client = async_redis(redis_url)
+    sync = redis.Redis.from_url(redis_url)
+    thread = WriterThread()
+    try:
+        stream = RequestStream(client, KEYS.requests("mock"), "w")
+        cache = SharedCache(client, KEYS, "mock", "r1")
+        writer = ReplyWriter(client, stream, KEYS, _settings(redis_url), cache, thread=thread)
+        if path == "redis-py":
+            writer.thread = None
+        outcome = _outcome(await _pending_entries(client, stream, 4), cache)
+        outcome.packing.add("client-a")
+        outcome.result("client-a", "r:11", VECTOR.data.cast("B"), "float32", cached=True)
+        await writer.flush(outcome)
+        entries = {c: sync.xrange(KEYS.replies(c)) for c in ("client-a", "client-b")}
+    finally:
+        await thread.aclose()
+        await client.aclose()
+        sync.close()
+    assert sorted(sorted(fields) for _, fields in entries["client-a"]) == [[b"d", b"h"], [b"p"]]
+    assert sorted(sorted(fields) for _, fields in entries["client-b"]) == [[b"d", b"h"], [b"h"]]
+    batch = decode_entries(entries["client-a"], ReplyBatch())
+    assert batch.read == 4 and not batch.malformed
+    assert sorted(r.request_id for r in batch.claims) == ["r:1", "r:2"]
+    assert all(r.claim and r.payload is None for r in batch.claims)
+    ready = {r.request_id: r for r in batch.ready}
+    assert isinstance(ready["r:10"].error, MalformedMessage)
+    assert np.array_equal(ready["r:11"].vector(), VECTOR)
+
+
 async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis_url: str) -> None:
     """A client's replies of one batch are one transaction: its reader, blocked on its
     stream, gets all of them in one read (in a plain pipeline it woke after the first)."""
@@ -141,3 +177,24 @@ async def test_a_slot_moved_under_the_writer_thread_is_written_through_redis_py(
         await client.aclose()
     assert writer.redirected == 1 and len(rows) == 1
     assert np.array_equal(decode_reply(rows[0][1]).vector(), VECTOR)
+
+
+def test_reply_entries_pack_up_to_the_bound_per_client_and_keep_the_rest() -> None:
+    outcome = Outcome()
+    for n in range(MAX_PACKED + 2):
+        outcome.error("client-a", f"a:{n}", MalformedMessage("bad"))
+        outcome.error("client-b", f"b:{n}", MalformedMessage("bad"))
+    outcome.result("client-a", "a:x", VECTOR.data.cast("B"), "float32", cached=True)
+    assert outcome.reply_entries() is outcome.replies  # nobody packs
+    outcome.packing.add("client-a")
+    entries = outcome.reply_entries()
+    packed = [fields for client, fields in entries if client == "client-a" and "p" in fields]
+    assert [len(decode_packed(_read(fields))) for fields in packed] == [MAX_PACKED, 2]
+    assert sum(client == "client-b" for client, _ in entries) == MAX_PACKED + 2
+    assert [fields for client, fields in entries if client == "client-a" and "d" in fields]
+    ids = [r.request_id for fields in packed for r in decode_packed(_read(fields))]
+    assert ids == [f"a:{n}" for n in range(MAX_PACKED + 2)]
+
+
+def _read(fields: dict[str, Any]) -> dict[bytes, Any]:
+    return {name.encode(): value for name, value in fields.items()}

@@ -20,9 +20,12 @@ from lmqueue.shared.wire import (
     Request,
     bytes_to_ids,
     bytes_to_vector,
+    decode_packed,
     decode_reply,
     decode_request,
+    encode_claim,
     encode_error,
+    encode_packed,
     encode_request,
     encode_result,
     ids_to_bytes,
@@ -40,6 +43,71 @@ def test_a_logprobs_request_survives_the_round_trip():
     decoded = decode_request(_as_read(encode_request(request)))
     assert decoded == request
     assert decoded.tokens.tolist() == [5, 9, 49151]
+
+
+def test_a_request_says_whether_its_sender_reads_packed_replies():
+    for packs in (False, True):
+        request = Request("c1:8", "c1", ids_to_bytes([5]), packs=packs)
+        envelope = msgpack.unpackb(encode_request(request)["m"])
+        assert ("packs" in envelope) is packs
+        assert decode_request(_as_read(encode_request(request))).packs is packs
+
+
+@pytest.mark.parametrize("count", [1, 15, 16, 70, 4096])
+def test_packed_replies_decode_in_order_as_they_would_one_by_one(count):
+    singles = [
+        encode_claim(f"c1:{n}", f"lmq:k{n}", "float16")
+        if n % 3
+        else encode_error(f"c1:{n}", Busy("x"))
+        for n in range(count)
+    ]
+    packed = _as_read(encode_packed(singles))
+    assert list(packed) == [b"p"]
+
+    def seen(reply):
+        error = reply.error and (type(reply.error), reply.error.message, reply.error.data)
+        return reply.request_id, reply.claim, reply.dtype, reply.payload, error
+
+    one_by_one = [seen(decode_reply(_as_read(fields))) for fields in singles]
+    assert [seen(reply) for reply in decode_packed(packed)] == one_by_one
+    assert sum(1 for *_, error in one_by_one if error) == len(range(0, count, 3))
+
+
+def test_a_packed_entry_holds_no_payload_and_a_bounded_count():
+    with pytest.raises(ValueError):
+        encode_packed([encode_result("c1:1", b"\0" * 4, "float32")])
+    with pytest.raises(ValueError):
+        encode_packed([])
+    with pytest.raises(ValueError):
+        encode_packed([encode_claim("c1:1", "k", "float32")] * 4097)
+
+
+def test_a_bad_packed_header_fails_its_own_reply_only():
+    good = msgpack.packb({"v": 1, "id": "c1:1", "ok": True, "dtype": "float32", "claim": "k"})
+    unknown = msgpack.packb({"v": 1, "id": "c1:2", "ok": True, "dtype": "float99", "claim": "k"})
+    inline = msgpack.packb({"v": 1, "id": "c1:3", "ok": True, "dtype": "float32"})
+    replies = decode_packed({b"p": b"\x94" + good + unknown + inline + msgpack.packb(7)})
+    assert replies[0].claim == "k" and replies[0].request_id == "c1:1"
+    assert [r.data.get("request_id") for r in replies[1:]] == ["c1:2", "c1:3", None]
+    assert all(isinstance(r, MalformedMessage) for r in replies[1:])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {b"p": b"\xc1"},  # not msgpack
+        {b"p": msgpack.packb({"v": 1})},  # not an array
+        {b"p": msgpack.packb([])},  # empty
+        {b"p": msgpack.packb([{}] * 4097)},  # too many
+        {b"p": msgpack.packb([{}]), b"d": b"\0" * 4},  # a payload beside it
+        {b"p": msgpack.packb([{}]), b"h": msgpack.packb({})},  # a single reply's header too
+        {b"p": "text"},
+        [b"p", b"x"],
+    ],
+)
+def test_a_malformed_packed_entry_raises_malformed_message(fields):
+    with pytest.raises(MalformedMessage):
+        decode_packed(fields)
 
 
 def test_a_mass_request_keeps_its_op_and_nodes():
@@ -259,3 +327,29 @@ def test_corrupted_valid_replies_decode_or_raise_malformed_message(patch, at, ok
     assert reply.ok == (reply.error is None)
     if reply.ok:
         assert reply.vector().nbytes == 16
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        _json
+        | st.fixed_dictionaries(
+            {
+                "v": st.just(1),
+                "id": st.text(max_size=4),
+                "ok": st.booleans(),
+                "dtype": st.sampled_from(["float32", "bogus"]),
+                "claim": _json,
+                "error": _json,
+            }
+        ),
+        max_size=6,
+    )
+)
+def test_fuzzed_packed_entries_end_in_replies_or_malformed_messages(headers):
+    try:
+        replies = decode_packed({b"p": msgpack.packb(headers, use_bin_type=True)})
+    except MalformedMessage:
+        return
+    assert len(replies) == len(headers)
+    assert all(isinstance(r, MalformedMessage) or r.claim or r.error for r in replies)

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmqueue.shared.errors import LMQueueError
-from lmqueue.shared.wire import DeferredPayload, encode_error, encode_result
+from lmqueue.shared.wire import (
+    MAX_PACKED,
+    DeferredPayload,
+    encode_error,
+    encode_packed,
+    encode_result,
+    packable,
+)
 
 from .request_stream import Entry
 
@@ -50,6 +57,8 @@ class Outcome:
     #: hits and requests sharing a prompt cost nothing more); the fair-share charge.
     computed_prompts: int = 0
     computed_tokens: int = 0
+    #: Clients whose requests said they read packed reply entries (`shared.wire`).
+    packing: set[str] = field(default_factory=set)
 
     def result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
@@ -75,6 +84,28 @@ class Outcome:
         """Park an entry nobody can be told about, with the reason."""
         self.dead.append((entry, f"{type(error).__name__}: {error.message}"))
 
+    def reply_entries(self) -> list[tuple[str, dict[str, Any]]]:
+        """The reply entries to add, by client: a packing client's replies without payload
+        (claim-checks, errors) in packed entries, in the place of the first of them; the rest
+        an entry each, in their order."""
+        if not self.packing:
+            return self.replies
+        packs: dict[str, list[dict[str, Any]]] = {}
+        entries: list[tuple[str, Any]] = []
+        for client_id, fields in self.replies:
+            if client_id in self.packing and packable(fields):
+                pack = packs.get(client_id)
+                if pack is None or len(pack) == MAX_PACKED:
+                    pack = packs[client_id] = []
+                    entries.append((client_id, pack))
+                pack.append(fields)
+            else:
+                entries.append((client_id, fields))
+        return [
+            (client_id, _packed(fields) if isinstance(fields, list) else fields)
+            for client_id, fields in entries
+        ]
+
     def merge(self, other: Outcome) -> None:
         """Append everything of `other`."""
         self.replies.extend(other.replies)
@@ -85,3 +116,9 @@ class Outcome:
         self.outcomes.update(other.outcomes)
         self.computed_prompts += other.computed_prompts
         self.computed_tokens += other.computed_tokens
+        self.packing |= other.packing
+
+
+def _packed(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One reply as it is, several in a packed entry."""
+    return replies[0] if len(replies) == 1 else encode_packed(replies)

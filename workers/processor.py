@@ -231,6 +231,8 @@ class BatchProcessor:
         except ValueError as exc:  # an invalid client name
             outcome.dead_letter(entry, MalformedMessage(str(exc)))
             return None
+        if request.packs:
+            outcome.packing.add(request.client_id)
         try:
             self._check(entry, request, now_ms)
         except LMQueueError as exc:

@@ -228,7 +228,7 @@ class ReplyWriter:
         async with self.redis.pipeline(transaction=False) as pipe:
             SharedCache.queue_puts(pipe, puts, self.settings.cache_ttl_s)
             reply_keys = set()
-            for client_id, fields in outcome.replies:
+            for client_id, fields in outcome.reply_entries():
                 key = self.keys.replies(client_id)
                 reply_keys.add(key)
                 pipe.xadd(key, {name: payload_bytes(value) for name, value in fields.items()})

@@ -41,7 +41,8 @@ def reply_commands(
     settings: WorkerSettings,
     dead_stream: str,
 ) -> list[Routed]:
-    """XADD of every reply and dead letter, EXPIRE of every reply stream written.
+    """XADD of every reply entry (`Outcome.reply_entries`: a packing client's claim-checks and
+    errors in one) and dead letter, EXPIRE of every reply stream written.
 
     `reply_keys` maps client ids to their reply streams, `routes` every key to its connection.
     A client's replies are added in one MULTI ... EXEC when there are several: its reader,
@@ -51,7 +52,7 @@ def reply_commands(
     waits for (`anticipation`), and the client reads a batch's replies in one read.
     """
     by_client: dict[str, list[dict[str, Any]]] = {}
-    for client_id, fields in outcome.replies:
+    for client_id, fields in outcome.reply_entries():
         by_client.setdefault(client_id, []).append(fields)
     commands: list[Routed] = []
     for client_id, replies in by_client.items():

@@ -15,9 +15,10 @@ whose claimed key is gone asks again without ``claims``.
 Replies without a payload (claim-checks, errors) of one client in one batch may travel
 *packed*: one entry whose field ``p`` is a msgpack array of their headers, instead of an entry
 each. A batch of 64 claim-checks is then one XADD for the worker, one entry for Redis to store
-and serve, and one msgpack decode for the client (~50 CPU us a reply less over the three processes:
-docs/benchmarks-history.md, section 1). Only senders that say they read them (``packs``) get packed entries.
-Results with a payload stay an entry each: a read's size stays bounded by its entry count.
+and serve, and one msgpack decode for the client (~50 CPU us a reply less over the three
+processes: docs/benchmarks-history.md, section 1). Only senders that say they read them
+(``packs``) get packed entries. Results with a payload stay an entry each: a read's size stays
+bounded by its entry count.
 
 A request for a LoRA adapter names it in ``adapter`` (absent: the base model). The name is
 untrusted tenant input: the decoder checks its shape (`shared.adapters.ADAPTER_NAME`), the

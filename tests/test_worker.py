@@ -14,7 +14,8 @@ from lmqueue.shared.settings import RedisSettings, WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
 from lmqueue.workers.backends.mock import MockAsyncLM
-from lmqueue.workers.worker import Worker
+from lmqueue.workers.request_stream import Entry
+from lmqueue.workers.worker import Worker, _estimated_tokens
 
 KEYS = KeySpace()
 MODEL = "mock"
@@ -163,3 +164,22 @@ async def test_the_dead_letter_reason_does_not_lose_the_original_fields(aredis, 
     await worker.run_until_idle()
     ((_, dead_fields),) = await aredis.xrange(KEYS.dead_letters(MODEL))
     assert dead_fields[b"extra"] == b"kept" and dead_fields[b"lmq.entry_id"]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 70, 20_000])
+def test_a_requests_token_estimate_is_its_prompt_whatever_its_optional_fields(tokens):
+    """The fair share charges a request its prompt's tokens at pick time: optional fields
+    (claims, packs, an adapter, a long client id) must not count as tokens."""
+    ids = ids_to_bytes(list(range(tokens)))
+    plain = Request("c:1", "c", ids)
+    full = Request("c-" + "x" * 40 + ":123", "c-" + "x" * 40, ids, deadline_ms=1 << 41,
+                   claims=True, adapter="tuned-1", packs=True)  # fmt: skip
+    for request in (plain, full):
+        entry = Entry("1-0", {b"m": encode_request(request)["m"]})
+        assert _estimated_tokens(entry) == tokens
+
+
+def test_an_envelope_without_readable_tokens_is_estimated_by_its_size():
+    assert _estimated_tokens(Entry("1-0", {b"m": b"x" * 300})) == 59
+    assert _estimated_tokens(Entry("1-0", {b"m": b"\xa6tokens"})) == 1
+    assert _estimated_tokens(Entry("1-0", {})) == 1

@@ -500,6 +500,26 @@ def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:
     return len(part[1][1])
 
 
+#: msgpack's ``"tokens"`` key, and the bin headers of 8, 16 and 32-bit lengths after it.
+_TOKENS_KEY = b"\xa6tokens"
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
 def _estimated_tokens(entry: Entry) -> int:
-    """A request's prompt tokens, from its envelope's size (4 bytes a token, ~64 of header)."""
-    return max((len(entry.fields.get(b"m", b"")) - 64) // 4, 1)
+    """A request's prompt tokens, read off its envelope without decoding it (the length of its
+    ``tokens`` bytes, 4 a token; from the envelope's size if that is not found).
+
+    The size alone counted the header's optional fields as tokens (an 8-token prompt's
+    envelope is ~150 bytes): one more flag on every request shifted what each was charged,
+    and with it which of a light tenant's calls shared a batch (BENCHMARKS.md, fairness).
+    The envelope is untrusted: a wrong count only misplaces the sender's own requests until
+    the forward reports what they cost (`FairShare.adjust`).
+    """
+    raw = entry.fields.get(b"m", b"")
+    at = raw.find(_TOKENS_KEY) if isinstance(raw, bytes) else -1
+    if at >= 0:
+        start = at + len(_TOKENS_KEY) + 1
+        width = _BIN_LENGTH_BYTES.get(raw[start - 1]) if start <= len(raw) else None
+        if width is not None and start + width <= len(raw):
+            return max(int.from_bytes(raw[start : start + width], "big") // 4, 1)
+    return max((len(raw) - 64) // 4, 1)

@@ -52,6 +52,7 @@ __all__ = [
     "Reply",
     "encode_request",
     "decode_request",
+    "envelope_token_count",
     "encode_result",
     "encode_claim",
     "encode_error",
@@ -405,6 +406,26 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
     )  # fmt: skip
 
 
+#: msgpack's ``"tokens"`` key as `encode_request` packs it, and the bin headers of 8, 16 and
+#: 32-bit lengths that follow it.
+_TOKENS_KEY = b"\xa6tokens"
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+def envelope_token_count(envelope: Any) -> int | None:
+    """The prompt tokens of a request envelope (its ``m`` field), read off the length of its
+    ``tokens`` bytes without decoding it; None if that is not found. Untrusted input: an
+    estimate for scheduling, not a validation (`decode_request` validates)."""
+    at = envelope.find(_TOKENS_KEY) if isinstance(envelope, bytes) else -1
+    if at < 0:
+        return None
+    start = at + len(_TOKENS_KEY) + 1
+    width = _BIN_LENGTH_BYTES.get(envelope[start - 1]) if start <= len(envelope) else None
+    if width is None or start + width > len(envelope):
+        return None
+    return int.from_bytes(envelope[start : start + width], "big") // 4
+
+
 def encode_result(
     request_id: str, payload: bytes | memoryview | DeferredPayload, dtype: str, cached: bool = False
 ) -> dict[str, Any]:
@@ -504,9 +525,9 @@ def encode_packed(replies: list[dict[str, Any]]) -> dict[str, bytes]:
     """
     if not 0 < len(replies) <= MAX_PACKED:
         raise ValueError(f"a packed entry holds 1 to {MAX_PACKED} replies, not {len(replies)}")
-    headers = [fields["h"] for fields in replies]
-    if any("d" in fields for fields in replies):
+    if not all(map(packable, replies)):
         raise ValueError("a reply with a payload does not travel packed")
+    headers = [fields["h"] for fields in replies]
     return {"p": _array_header(len(headers)) + b"".join(headers)}
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -50,8 +52,12 @@ def _outcome(entries: list[Any], cache: SharedCache) -> Outcome:
     return outcome
 
 
-@pytest.mark.parametrize("path", ["thread", "redis-py"])
-async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str) -> None:
+@contextlib.asynccontextmanager
+async def _writer_on(
+    redis_url: str, path: str
+) -> AsyncIterator[tuple[Any, ReplyWriter, WriterThread]]:
+    """A writer with a shared cache on the queue's instance, writing on its thread or (path
+    ``redis-py``) through redis-py; a blocking client to look with; the thread."""
     client = async_redis(redis_url)
     sync = redis.Redis.from_url(redis_url)
     thread = WriterThread()
@@ -62,8 +68,23 @@ async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str
         assert writer.thread is thread
         if path == "redis-py":
             writer.thread = None
-        entries = await _pending_entries(client, stream, 4)
-        await writer.flush(_outcome(entries, cache))
+        yield sync, writer, thread
+    finally:
+        await thread.aclose()
+        await client.aclose()
+        sync.close()
+
+
+async def _batch_of(writer: ReplyWriter) -> Outcome:
+    assert writer.cache is not None
+    return _outcome(await _pending_entries(writer.redis, writer.stream, 4), writer.cache)
+
+
+@pytest.mark.parametrize("path", ["thread", "redis-py"])
+async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str) -> None:
+    async with _writer_on(redis_url, path) as (sync, writer, thread):
+        stream = writer.stream
+        await writer.flush(await _batch_of(writer))
         jobs = thread.jobs
         replies = {
             c: [decode_reply(fields) for _, fields in sync.xrange(KEYS.replies(c))]
@@ -72,10 +93,6 @@ async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str
         dead = sync.xrange(KEYS.dead_letters("mock"))
         ttl = sync.ttl(KEYS.replies("client-a"))
         pending, left = sync.xpending(stream.stream, "workers")["pending"], sync.xlen(stream.stream)
-    finally:
-        await thread.aclose()
-        await client.aclose()
-        sync.close()
     by_id = {r.request_id: r for rs in replies.values() for r in rs}
     assert sorted(by_id) == ["r:0", "r:1", "r:10", "r:2", "r:9"]
     assert all(by_id[f"r:{n}"].claim for n in range(3))  # their entries were stored first
@@ -92,24 +109,12 @@ async def test_a_packing_clients_claims_and_errors_travel_in_one_entry(
 ) -> None:
     """client-a reads packed entries: its two claim-checks and its error are one entry; the
     other client's replies, and results with a vector, stay an entry each."""
-    client = async_redis(redis_url)
-    sync = redis.Redis.from_url(redis_url)
-    thread = WriterThread()
-    try:
-        stream = RequestStream(client, KEYS.requests("mock"), "w")
-        cache = SharedCache(client, KEYS, "mock", "r1")
-        writer = ReplyWriter(client, stream, KEYS, _settings(redis_url), cache, thread=thread)
-        if path == "redis-py":
-            writer.thread = None
-        outcome = _outcome(await _pending_entries(client, stream, 4), cache)
+    async with _writer_on(redis_url, path) as (sync, writer, _):
+        outcome = await _batch_of(writer)
         outcome.packing.add("client-a")
         outcome.result("client-a", "r:11", VECTOR.data.cast("B"), "float32", cached=True)
         await writer.flush(outcome)
         entries = {c: sync.xrange(KEYS.replies(c)) for c in ("client-a", "client-b")}
-    finally:
-        await thread.aclose()
-        await client.aclose()
-        sync.close()
     assert sorted(sorted(fields) for _, fields in entries["client-a"]) == [[b"d", b"h"], [b"p"]]
     assert sorted(sorted(fields) for _, fields in entries["client-b"]) == [[b"d", b"h"], [b"h"]]
     batch = decode_entries(entries["client-a"], ReplyBatch())

@@ -41,6 +41,7 @@ from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
 from lmqueue.shared.serial_torch import serial_torch
 from lmqueue.shared.settings import WorkerSettings
+from lmqueue.shared.wire import envelope_token_count
 
 from .adapter_set import AdapterSet
 from .anticipation import AwaitedFirst, ReturningTenants
@@ -500,14 +501,9 @@ def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:
     return len(part[1][1])
 
 
-#: msgpack's ``"tokens"`` key, and the bin headers of 8, 16 and 32-bit lengths after it.
-_TOKENS_KEY = b"\xa6tokens"
-_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
-
-
 def _estimated_tokens(entry: Entry) -> int:
-    """A request's prompt tokens, read off its envelope without decoding it (the length of its
-    ``tokens`` bytes, 4 a token; from the envelope's size if that is not found).
+    """A request's prompt tokens, read off its envelope without decoding it
+    (`shared.wire.envelope_token_count`; from the envelope's size if that is not found).
 
     The size alone counted the header's optional fields as tokens (an 8-token prompt's
     envelope is ~150 bytes): one more flag on every request shifted what each was charged,
@@ -516,10 +512,5 @@ def _estimated_tokens(entry: Entry) -> int:
     the forward reports what they cost (`FairShare.adjust`).
     """
     raw = entry.fields.get(b"m", b"")
-    at = raw.find(_TOKENS_KEY) if isinstance(raw, bytes) else -1
-    if at >= 0:
-        start = at + len(_TOKENS_KEY) + 1
-        width = _BIN_LENGTH_BYTES.get(raw[start - 1]) if start <= len(raw) else None
-        if width is not None and start + width <= len(raw):
-            return max(int.from_bytes(raw[start : start + width], "big") // 4, 1)
-    return max((len(raw) - 64) // 4, 1)
+    count = envelope_token_count(raw)
+    return max(count if count is not None else (len(raw) - 64) // 4, 1)

@@ -1,19 +1,24 @@
 """The soak's judgement, without a soak: accounting of journals, flatness, recovery times.
 
 `lmq bench soak` (tests/test_soak_scenario.py runs it for a minute) decides pass or fail from
-three pure computations; each is checked here on hand-made inputs, in milliseconds.
+three pure computations; each is checked here on hand-made inputs, in milliseconds. The
+monitor's reading of the queue Redis is checked on the session's real server.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import redis
 
 from lmqueue.bench.soak import recovery
 from lmqueue.bench.soak.flatness import flatness, theil_sen_slope
 from lmqueue.bench.soak.journal import JournalWriter, answered_times, read_events, tally
+from lmqueue.bench.soak.monitor import Monitor
+from lmqueue.shared.keys import KeySpace
 
 
 def _journal(path: Path, *events: tuple[str, dict]) -> Path:
@@ -129,3 +134,32 @@ def test_a_rate_that_never_comes_back_before_the_next_fault_has_no_recovery():
     assert recovery.by_kind(recovery.recoveries(series, faults, start))["restart_redis"] == {
         "faults": 1, "recovered": 0, "worst_s": None, "median_s": None, "worst_repair_s": 1.0
     }  # fmt: skip
+
+
+def test_the_monitor_counts_experiment_keys_that_never_expire_not_those_kept_a_while(redis_url):
+    """Finished experiments' keys and arq's results expire (their count follows the experiment
+    rate); a key that never expires is what a leak leaves, and only those are counted in
+    ``experiment_keys`` and ``scheduler_keys``; ``queue_keys`` counts every key."""
+    keys = KeySpace(tenant="carol")
+    admin = redis.Redis.from_url(redis_url)
+    for n in range(5):  # finished: kept for a minute
+        admin.hset(keys.experiment_record(f"done-{n}"), "status", "complete")
+        admin.pexpire(keys.experiment_record(f"done-{n}"), 60_000)
+    admin.hset(keys.experiment_record("running"), "status", "running")
+    admin.zadd(keys.experiment_index(), {"running": 1})
+    admin.xadd(keys.replies("c1"), {"r": b"x"})
+    admin.set("arq:result:done-0", b"r", px=60_000)
+    admin.zadd(keys.scheduler_queue(), {"j": 1})
+    rig = SimpleNamespace(cluster=None, queue_server=SimpleNamespace(url=redis_url),
+                          cache=SimpleNamespace(url=redis_url), pids=dict)  # fmt: skip
+    monitor = Monitor(rig)  # type: ignore[arg-type]
+    monitor.sample()
+    latest = {name: points[-1][1] for name, points in monitor.series.items()}
+    assert latest["experiment_keys"] == 2  # the running record and the index
+    assert latest["scheduler_keys"] == 1  # the queue; the result expires
+    assert latest["queue_keys"] == 10
+    assert (latest["reply_streams"], latest["reply_entries"]) == (1, 1)
+    admin.persist(keys.experiment_record("done-0"))  # an expiry lost: it stays for good
+    monitor.sample()
+    assert monitor.series["experiment_keys"][-1][1] == 3
+    admin.close()

@@ -248,7 +248,17 @@ class RespSocket:
 
     # -- receiving ----------------------------------------------------------------------------
     def _receive(self, count: int) -> list[Any]:
-        return [self._item() for _ in range(count)]
+        # Most replies of a worker's pipelines are SET's and MULTI's "+OK": matched here
+        # without a line search and a call each (~a third of parsing a batch's answers).
+        out: list[Any] = []
+        for _ in range(count):
+            start = self._start
+            if self._end - start >= 5 and self._buffer.startswith(b"+OK\r\n", start):
+                self._start = start + 5
+                out.append(b"OK")
+            else:
+                out.append(self._item())
+        return out
 
     def _item(self) -> Any:
         """Parse one reply (recursively for arrays)."""

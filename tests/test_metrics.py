@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.workers.backends.hf import AsyncTransformer
-from lmqueue.workers.metrics import WorkerMetrics, entry_enqueued_s
+from lmqueue.workers.metrics import WorkerMetrics, entry_enqueued_s, observe_many
 
 
 def scrape(metrics: WorkerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -72,6 +72,36 @@ def test_waits_are_measured_from_the_entry_ids_timestamps() -> None:
     assert value(samples, "lmq_queue_wait_seconds_count", model="m1", tenant="t") == 2
     assert value(samples, "lmq_e2e_request_seconds_sum", model="m1", tenant="t") == 3.0
     assert value(samples, "lmq_e2e_request_seconds_bucket", model="m1", tenant="t", le="0.001") == 1
+
+
+def test_observing_many_at_once_exports_what_observing_each_does() -> None:
+    amounts = [0.0, 0.001, 0.0011, 0.0049, 0.05, 0.05, 7.0, 61.0, 1e9, 0.3]
+    one_by_one, at_once = WorkerMetrics("m", process_metrics=False), WorkerMetrics("m")
+    for amount in amounts:
+        one_by_one._e2e.labels("m", "t").observe(amount)
+    observe_many(at_once._e2e.labels("m", "t"), amounts)
+    observe_many(at_once._e2e.labels("m", "t"), [])
+
+    def e2e(metrics: WorkerMetrics) -> dict:
+        samples = scrape(metrics).items()
+        return {k: v for k, v in samples if k[0].startswith("lmq_e2e") and "created" not in k[0]}
+
+    ours, theirs = e2e(at_once), e2e(one_by_one)
+    assert ours == theirs and len(ours) == 18  # 16 buckets, sum and count
+    assert value(ours, "lmq_e2e_request_seconds_bucket", model="m", tenant="t", le="0.005") == 4
+
+
+def test_a_histogram_of_another_layout_is_observed_one_by_one() -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def observe(self, amount: float) -> None:
+            self.seen.append(amount)
+
+    plain = Plain()
+    observe_many(plain, [0.5, 2.0])
+    assert plain.seen == [0.5, 2.0]
 
 
 def test_two_workers_in_one_process_keep_separate_registries() -> None:

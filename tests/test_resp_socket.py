@@ -59,6 +59,20 @@ def test_replies_parse_the_same_however_the_bytes_are_split(step: int) -> None:
     assert_wire_replies(replies)
 
 
+@pytest.mark.parametrize("step", [1, 3, 4096])
+def test_runs_of_ok_parse_as_any_simple_string_does(step: int) -> None:
+    """SET's answers take a shortcut (`RespSocket._receive`); one cut short, or another
+    simple string that starts the same, does not."""
+    sock, theirs, server = _served(b"+OK\r\n" * 3 + b"+OKAY\r\n+OK\r\n:1\r\n", step)
+    try:
+        replies = sock.execute([("PING",)] * 6)
+    finally:
+        server.join()
+        theirs.close()
+        sock.close()
+    assert replies == [b"OK", b"OK", b"OK", b"OKAY", b"OK", 1]
+
+
 def test_big_values_arrive_in_writable_arrays_of_their_own() -> None:
     sock, theirs, server = _served(WIRE, 1000)
     try:

@@ -249,7 +249,8 @@ class RespSocket:
     # -- receiving ----------------------------------------------------------------------------
     def _receive(self, count: int) -> list[Any]:
         # Most replies of a worker's pipelines are SET's and MULTI's "+OK": matched here
-        # without a line search and a call each (~a third of parsing a batch's answers).
+        # without a line search and a call each (the worker's parsing of its writes' answers
+        # 5.6% -> 4.3% of its CPU in lmq bench transport's float16 profile).
         out: list[Any] = []
         for _ in range(count):
             start = self._start

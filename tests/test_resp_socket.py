@@ -47,40 +47,33 @@ def _served(
     return sock, theirs, server
 
 
-@pytest.mark.parametrize("step", [1, 7, 100, 4096, 1 << 20])
-def test_replies_parse_the_same_however_the_bytes_are_split(step: int) -> None:
-    sock, theirs, server = _served(WIRE, step)
+def _answers(data: bytes, step: int, commands: int) -> list[Any]:
+    """What a RespSocket makes of `data` (sent `step` bytes at a time) as the answers to a
+    pipeline of `commands` PINGs."""
+    sock, theirs, server = _served(data, step)
     try:
-        replies = sock.execute([("PING",)] * 7)
+        return sock.execute([("PING",)] * commands)
     finally:
         server.join()
         theirs.close()
         sock.close()
-    assert_wire_replies(replies)
+
+
+@pytest.mark.parametrize("step", [1, 7, 100, 4096, 1 << 20])
+def test_replies_parse_the_same_however_the_bytes_are_split(step: int) -> None:
+    assert_wire_replies(_answers(WIRE, step, 7))
 
 
 @pytest.mark.parametrize("step", [1, 3, 4096])
 def test_runs_of_ok_parse_as_any_simple_string_does(step: int) -> None:
     """SET's answers take a shortcut (`RespSocket._receive`); one cut short, or another
     simple string that starts the same, does not."""
-    sock, theirs, server = _served(b"+OK\r\n" * 3 + b"+OKAY\r\n+OK\r\n:1\r\n", step)
-    try:
-        replies = sock.execute([("PING",)] * 6)
-    finally:
-        server.join()
-        theirs.close()
-        sock.close()
+    replies = _answers(b"+OK\r\n" * 3 + b"+OKAY\r\n+OK\r\n:1\r\n", step, 6)
     assert replies == [b"OK", b"OK", b"OK", b"OKAY", b"OK", 1]
 
 
 def test_big_values_arrive_in_writable_arrays_of_their_own() -> None:
-    sock, theirs, server = _served(WIRE, 1000)
-    try:
-        xread, *_ = sock.execute([("PING",)] * EXPECTED_REPLIES)
-    finally:
-        server.join()
-        theirs.close()
-        sock.close()
+    xread, *_ = _answers(WIRE, 1000, EXPECTED_REPLIES)
     value = xread[0][1][0][1][3]
     assert isinstance(value, memoryview) and not value.readonly and value.nbytes == len(BIG)
     array = np.frombuffer(value, dtype=np.uint8)

@@ -141,12 +141,30 @@ def test_a_wait_that_held_up_no_one_else_is_not_bounded_by_the_idle_nor_a_miss()
         returning.sent("alone", 4, cost=64.0)
         returning.replied("alone")
         clock.now += 0.015  # past a tenth of the forward: nothing else was queued
-        hold, _ = returning.waiting({"alone": 1}.get, clock.now - 0.015, 0.1, queued=1)
+        hold, _ = returning.waiting({"alone": 0}.get, clock.now - 0.015, 0.1, queued=0)
         assert hold
         clock.now += 0.006  # past anticipate_ms: its wait is over, yet it missed nobody
-        assert returning.waiting({"alone": 1}.get, clock.now, 0.1, queued=1) == (False, 0.0)
+        assert returning.waiting({"alone": 0}.get, clock.now, 0.1, queued=0) == (False, 0.0)
     returning.sent("alone", 4, cost=64.0)
     assert returning.awaits("alone")  # never cooled off
+
+
+def test_with_no_one_else_queued_some_of_its_calls_back_end_the_wait() -> None:
+    """A sampler alone on a worker whose step has fewer distinct prompts than the last (or the
+    rest of a step larger than a batch queued) is not held up by the wait for itself."""
+    clock = _Clock()
+    returning = ReturningTenants(0.020, clock)
+    returning.sent("sampler", 64, cost=64.0)
+    returning.replied("sampler")
+    clock.now += 0.002
+    assert returning.waiting({"sampler": 0}.get, clock.now, 0.1, queued=0)[0]  # none back yet
+    assert returning.waiting({"sampler": 50}.get, clock.now, 0.1, queued=50) == (False, 0.0)
+    returning.sent("sampler", 32, cost=32.0, queued=32)  # a step of 64, a batch of 32
+    assert returning.waiting({"sampler": 32}.get, None, 0.1, queued=32) == (False, 0.0)
+    # with another tenant's requests queued, a partial return is still waited for (bounded)
+    returning.sent("sampler", 64, cost=64.0)
+    returning.replied("sampler")
+    assert returning.waiting({"sampler": 50, "flood": 9}.get, clock.now, 0.1, queued=59)[0]
 
 
 def _miss_twice(returning: ReturningTenants, clock: _Clock) -> None:

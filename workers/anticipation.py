@@ -9,7 +9,10 @@ times its latency alone, every call (BENCHMARKS.md, fairness). So a busy worker 
 *returning* tenant: while a tenant that had calls in a batch sent to the backend has fewer
 queued than it had there, the next batch is not picked until that tenant's replies are written
 and then either as many calls of it are queued again, or its wait is over (anticipatory
-scheduling, as disk schedulers wait for a process's next read rather than seek away).
+scheduling, as disk schedulers wait for a process's next read rather than seek away). While no
+other tenant has requests queued, any of its calls queued end the wait: the hold would hold up
+only those calls (a sampler whose step has fewer distinct prompts than the last, or whose step
+is larger than one batch, waited out ``anticipate_ms`` each step; BENCHMARKS.md, model).
 
 While a returning tenant is awaited it also keeps its place in the fair share
 (`FairShare.add`'s credit, one batch's worth at most): idle only between its replies and its
@@ -140,7 +143,11 @@ class ReturningTenants:
             end = idle_end
             if expected.replied_at is not None:
                 end = min(expected.replied_at + self.wait_s, end or float("inf"))
-            if backlog(tenant) >= expected.calls:
+            queued_own = backlog(tenant)
+            if queued_own >= expected.calls or (queued_own and not contended):
+                # Back, or (no one else queued) some of it is: holding would only hold up its
+                # own calls, such as a sampler's step with fewer distinct prompts than the last
+                # or the rest of a step larger than a batch (BENCHMARKS.md, model).
                 del self._expected[tenant]
                 self._misses.pop(tenant, None)
                 self._cool_off.pop(tenant, None)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded
+from lmqueue.shared.heap_freeze import freeze_heap
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
 from lmqueue.shared.registry import ModelInfo, ModelRegistry, tokenizer_to_files
@@ -200,7 +200,11 @@ class Worker:
                 await self._serve(stop)
 
     async def _serve(self, stop: asyncio.Event) -> None:
-        _freeze_startup_heap()  # before publishing: clients may send once it is published
+        # Everything alive once started (torch, the model, the tokenizer, the imports) leaves the
+        # full collections, which otherwise stalled every tenant's next batch (shared/heap_freeze).
+        # Before publishing: clients may send once it is published; per `serve`, as a test process
+        # serving several workers sets up each.
+        freeze_heap()
         await self._retry_until_up(self.publish, stop)
         background = self.upkeep.start(stop)
         self.health.mark_serving()
@@ -475,24 +479,6 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
-
-
-def _freeze_startup_heap() -> None:
-    """Move everything alive once the worker has started (torch, the model, the tokenizer,
-    the imported modules) out of the garbage collector's reach.
-
-    Python's full (generation 2) collection traverses every tracked object; with torch and
-    a model loaded one takes hundreds of milliseconds, and the loop, so every tenant's next
-    batch, waits for it. Under a flood that allocates steadily one ran every minute or so,
-    and it was the whole of a light tenant's p99 tail (BENCHMARKS.md, fairness; the tail's
-    history there).
-    Frozen objects are not traversed (nor collected: what dies later is freed by reference
-    counting as before); what the worker allocates while serving is collected in short
-    passes. Called once per `serve`; a test process serving several workers freezes again.
-    """
-    gc.collect()
-    gc.freeze()
-    logger.debug("froze %d objects of the startup heap", gc.get_freeze_count())
 
 
 def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:

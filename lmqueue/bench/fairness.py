@@ -43,10 +43,11 @@ from typing import Any
 import redis
 
 from lmqueue.producer import QueueLM
+from lmqueue.shared.heap_freeze import freeze_heap
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 
-from .lib.call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
+from .lib.call_loop import PROMPT_TOKENS, Loop, fairness_client_settings
 from .lib.fairness_model import add_arguments as add_real_model_arguments
 from .lib.fairness_model import run_real
 from .lib.fairness_plot import plot

@@ -1,4 +1,4 @@
-"""`Loop`: closed loops of calls on one client, and `freeze_heap`, for the fairness benchmarks.
+"""`Loop`: closed loops of calls on one client, for the fairness benchmarks.
 
 Shared by `fairness` (the mock model) and `fairness_model` (the real one), which import this
 module rather than each other.
@@ -7,7 +7,6 @@ module rather than each other.
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from lmqueue.shared.settings import ClientSettings, RedisSettings
 
 from .load import distinct_prompt
 
-__all__ = ["Loop", "PROMPT_TOKENS", "fairness_client_settings", "freeze_heap"]
+__all__ = ["Loop", "PROMPT_TOKENS", "fairness_client_settings"]
 
 #: Prompt length of every call of a loop.
 PROMPT_TOKENS = 8
@@ -64,10 +63,3 @@ def fairness_client_settings(redis_url: str) -> ClientSettings:
         redis=RedisSettings(url=redis_url), wire_dtype="float16", use_shared_cache=False,
         local_cache_size=0, timeout_s=600, max_inflight=4096,
     )  # fmt: skip
-
-
-def freeze_heap() -> None:
-    """Take this process's start-up heap out of the garbage collector's full passes (see the
-    fairness module's docstring); what the clients allocate from now on is collected as usual."""
-    gc.collect()
-    gc.freeze()

@@ -21,11 +21,12 @@ from typing import Any
 import redis
 
 from lmqueue.producer import QueueLM
+from lmqueue.shared.heap_freeze import freeze_heap
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
 
-from .call_loop import Loop, freeze_heap
+from .call_loop import Loop
 from .report import Report
 from .stack import connect_client, redis_server, wait_for_workers, worker_pool
 from .tails import histogram_line, latency_figures, load_avg, spread, spread_lines

@@ -26,7 +26,9 @@ import json
 import sys
 from typing import Any
 
-from .call_loop import PROMPT_TOKENS, Loop, fairness_client_settings, freeze_heap
+from lmqueue.shared.heap_freeze import freeze_heap
+
+from .call_loop import PROMPT_TOKENS, Loop, fairness_client_settings
 from .json_child import JsonChild
 from .load import distinct_prompt
 

@@ -48,9 +48,13 @@ OUT.mkdir(parents=True, exist_ok=True)
 TOK = os.environ.get("GPU_TOKENIZER", "smollm2-135m")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = DEV == "cpu" or os.environ.get("SIZE") == "tiny"
-PARTS = os.environ.get("PARTS", "parity,smc,profile,forward,queue,programs,transport").split(",")
+PARTS = os.environ.get(
+    "PARTS", "parity,tohost,smc,profile,forward,queue,lockstep,transport,programs"
+).split(",")
 REPEATS = os.environ.get("REPEATS", "3")
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
+#: ``LEGACY=0`` leaves out the `smc` rounds with the per-particle sampler of before 2026-11-27.
+LEGACY = os.environ.get("LEGACY", "1") != "0"
 #: The wall-clock time by which the run must end (``BUDGET_S`` seconds after start; 0: none):
 #: the last part shrinks or is skipped to fit.
 DEADLINE = time.time() + float(os.environ["BUDGET_S"]) if os.environ.get("BUDGET_S") else 0.0
@@ -167,6 +171,46 @@ def part_forward() -> None:
         )
 
 
+def part_tohost() -> None:
+    """A forward's output to the host three ways, with the last 16 outputs kept alive as the
+    result cache keeps its rows: a fresh pinned buffer each time (`to_host` today), a pageable
+    copy (`.cpu()`), and one reused pinned staging buffer cloned into pageable memory."""
+    from collections import deque
+
+    from lmqueue.workers.backends.padded_batch import to_host
+
+    if DEV != "cuda":
+        return
+    staging: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def staged(tensor: torch.Tensor) -> torch.Tensor:
+        buffer = staging.get(tuple(tensor.shape))
+        if buffer is None:
+            buffer = staging[tuple(tensor.shape)] = torch.empty(
+                tensor.shape, dtype=tensor.dtype, pin_memory=True
+            )
+        buffer.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return buffer.clone()
+
+    ways = {"pinned_fresh": to_host, "pageable": lambda t: t.cpu(), "pinned_staged": staged}
+    logits = torch.randn(64, 49152, device=DEV)
+    for rows in (64, 256):
+        source = torch.randn(rows, 49152, device=DEV)
+        for label, way in ways.items():
+            kept: deque[torch.Tensor] = deque(maxlen=16)
+            times = []
+            for _ in range(40):
+                torch.log_softmax(logits, -1)  # the forward's last kernel, queued before
+                started = time.perf_counter()
+                host = way(torch.log_softmax(source, -1))
+                float(host[0, 0])
+                times.append(1000 * (time.perf_counter() - started))
+                kept.append(host)
+            log(**{f"tohost_{label}_{rows}_ms": {"median": round(statistics.median(times[5:]), 3),
+                   "worst": round(max(times[5:]), 3), "first": round(times[0], 3)}})  # fmt: skip
+
+
 def legacy_extend_all(particles: list[Any], logprobs: Any, mask: Any, eos: Any, rng: Any) -> None:
     """The sampler's step as it was before 2026-11-27: one float64 cumulative sum a particle
     (for before/after figures of the same run; the draws are the same definition)."""
@@ -261,7 +305,8 @@ async def smc_rounds(model: Any, tok: Any, workload: Any, particles: int) -> Non
         if kind == "lmq":
             await lms[label].__aenter__()
     per_s: dict[tuple[str, str], list[float]] = {}
-    schedule = [("now", -1)] + [(which, r) for r in range(ROUNDS) for which in ("now", "legacy")]
+    samplers = ("now", "legacy") if LEGACY else ("now",)
+    schedule = [("now", -1)] + [(which, r) for r in range(ROUNDS) for which in samplers]
     schedule.append(("now", ROUNDS))
     for which, round_index in schedule:
         sampler._extend_all = current if which == "now" else legacy_extend_all
@@ -307,10 +352,21 @@ def part_smc(tok: Any) -> None:
     workload = smc_workload(tok)
     asyncio.run(smc_rounds(model, tok, workload, workload.particles))
     if not TINY and ("queue" in PARTS or "programs" in PARTS):
-        path = Path("/tmp/gpu-models/big")
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
+        save_big(model, tok)
     del model
+
+
+def save_big(model: Any, tok: Any) -> None:
+    """The 1.7B-shaped model on disk, for the parts that start a worker process."""
+    path = Path("/tmp/gpu-models/big")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def part_save(tok: Any) -> None:
+    """Only `save_big` (for a run of ``queue``/``programs`` without ``smc``)."""
+    if not TINY:
+        save_big(build(tok, "big", torch.bfloat16), tok)
 
 
 async def smc_profiled(model: Any, tok: Any) -> None:
@@ -403,9 +459,23 @@ def part_programs() -> None:
     bench("programs", args, timeout=min(200, left))
 
 
+def part_lockstep() -> None:
+    """`smc_lockstep.py` (beside this script): the queue's cost to a lock-step 64 x 24 program
+    through one mock worker whose vectors cost nothing, on this machine's cores."""
+    script = Path(__file__).with_name("smc_lockstep.py")
+    proc = subprocess.run([sys.executable, str(script), "--rounds", "5"], capture_output=True,
+                          text=True, timeout=150)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("round", "load"))]
+    log(lockstep_rc=proc.returncode, lockstep=lines, lockstep_err=proc.stderr[-800:])
+
+
 def part_transport() -> None:
     big = Path("/tmp/gpu-models/big")
-    bench("transport", ["--model", str(big) if big.exists() else TOK], timeout=150)
+    left = DEADLINE - time.time() - 15 if DEADLINE else 150
+    if left < 60:
+        log(transport_skipped=f"{left:.0f} s left of the run's budget")
+        return
+    bench("transport", ["--model", str(big) if big.exists() else TOK], timeout=min(150, left))
 
 
 def main() -> None:
@@ -415,10 +485,12 @@ def main() -> None:
         return
     log(torch=torch.__version__, parts=PARTS, tiny=TINY)
     tok = tokenizer()
-    for part, run in (("parity", lambda: part_parity(tok)), ("smc", lambda: part_smc(tok)),
-                      ("queue", part_queue), ("profile", lambda: part_profile(tok)),
-                      ("forward", part_forward), ("programs", part_programs),
-                      ("transport", part_transport)):  # fmt: skip
+    for part, run in (("parity", lambda: part_parity(tok)), ("save", lambda: part_save(tok)),
+                      ("tohost", part_tohost),
+                      ("smc", lambda: part_smc(tok)), ("queue", part_queue),
+                      ("lockstep", part_lockstep), ("profile", lambda: part_profile(tok)),
+                      ("forward", part_forward), ("transport", part_transport),
+                      ("programs", part_programs)):  # fmt: skip
         if part in PARTS:
             started = time.time()
             try:

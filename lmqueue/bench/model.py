@@ -15,6 +15,9 @@ steps, lipogram constraint with resampling), one after another in one run:
 
 The worker process is started first and is idle (heartbeats only) while the in-process sides
 run, so its loading never overlaps a timed run. Figures are next-token calls per second.
+``--warmup`` rounds (1) of every side run first and count in no figure: a process's first run
+pays one-time costs a program pays once in its life (on a GPU the worker captures its CUDA
+graphs; every one of five H200 runs' worst round through the worker was its first).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sides", default=",".join(SIDES), help="which sides, comma-separated")
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of all sides, each its own prompt; median"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds of every side first, own prompts"
     )
     parser.add_argument("--timeout-s", type=float, default=600, help="fail a side that hangs")
     add_grid_argument(parser)
@@ -101,8 +107,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seed=args.seed + index,
                 prompt=bench_prompt(tokenizer, args.prompt_tokens, variant=index),
             )  # fmt: skip
-            for index in range(args.repeats)
+            for index in range(args.repeats + args.warmup)
         ]
+        warmups, rounds = rounds[args.repeats :], rounds[: args.repeats]
+        _run_sides(runners, warmups, args, report, "warmup")
         per_s, by_round = _rounds(runners, rounds, args, report)
     ratios, summary = _ratios(per_s, points)
     spread = _round_ratios(by_round, points, report)
@@ -111,6 +119,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary += (f"; by round lmqueue/genlm's best worst {min(spread):.2f}x, median "
                     f"{statistics.median(spread):.2f}x of {len(spread)}")  # fmt: skip
     return report.finish(ratios, summary, args.out_dir)
+
+
+def _run_sides(
+    runners: dict[str, Callable[[Workload], Awaitable[dict[str, Any]]]],
+    workloads: list[Workload],
+    args: argparse.Namespace,
+    report: Report,
+    kind: str,
+) -> dict[str, list[float]]:
+    """Every side on each workload in turn; each side's calls/s, reported as ``<kind><i>``
+    (a ``warmup`` is reported and counted in no figure)."""
+    per_s: dict[str, list[float]] = {side: [] for side in runners}
+    for index, workload in enumerate(workloads):
+        for side, runner in runners.items():
+            figures = asyncio.run(asyncio.wait_for(runner(workload), args.timeout_s))
+            gc.collect()
+            per_s[side].append(figures["calls_per_s"])
+            cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())
+            gpu = devices.gpu_text(figures.get("gpu"), figures.get("gpu_in_use_bytes"))
+            line = (
+                f"{side:<17} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
+                f"{figures['resamples']} resamples, {figures['elapsed_s']:.1f} s; "
+                f"CPU ms/call: {cpu}; {gpu})"
+            )
+            if kind == "warmup":
+                line += "  warm-up, not counted"
+            report.figure(f"{side}.{kind}{index}", figures, line=line)
+    return per_s
 
 
 def _round_ratios(
@@ -142,20 +178,7 @@ def _rounds(
     others) and seed: the worker and the shared cache outlive a round, and a repeated
     workload would be answered from them without a forward.
     """
-    rounds: dict[str, list[float]] = {side: [] for side in runners}
-    for index, workload in enumerate(workloads):
-        for side, runner in runners.items():
-            figures = asyncio.run(asyncio.wait_for(runner(workload), args.timeout_s))
-            gc.collect()
-            rounds[side].append(figures["calls_per_s"])
-            cpu = ", ".join(f"{k} {v:.1f}" for k, v in figures["cpu_ms_per_call"].items())
-            gpu = devices.gpu_text(figures.get("gpu"), figures.get("gpu_in_use_bytes"))
-            line = (
-                f"{side:<17} {figures['calls_per_s']:7.2f} calls/s  ({figures['calls']} calls, "
-                f"{figures['resamples']} resamples, {figures['elapsed_s']:.1f} s; "
-                f"CPU ms/call: {cpu}; {gpu})"
-            )
-            report.figure(f"{side}.round{index}", figures, line=line)
+    rounds = _run_sides(runners, workloads, args, report, "round")
     per_s = {side: statistics.median(values) for side, values in rounds.items()}
     if args.repeats > 1:
         for side, value in per_s.items():

@@ -8,21 +8,29 @@ Parts (``PARTS``, comma-separated; all by default), in this order:
   siblings, lengths 1..300) and an SMC-shaped run (particles resampled, one token a step) through
   the hf backend's batch entry point, each row against a plain forward; with CUDA graphs and
   without (eager), and whether the graphs were captured and replayed;
+* ``save``: only the 1.7B-shaped model saved to disk, for ``queue``/``programs`` without ``smc``;
+* ``tohost``: a forward's output (64 or 256 rows of the vocabulary, float32) to the host three
+  ways, the last 16 kept alive as the result cache keeps its rows: a fresh pinned buffer
+  (`to_host`), a pageable copy, a reused pinned staging buffer cloned out;
 * ``smc``: the SMC workload of ``lmq bench model`` (64 particles x 24 steps, lipogram) on a random
   model of SmolLM2-1.7B's shape in bfloat16, in this process: genlm-backend at batch 64 (its best
   grid point on the H200 baseline) against lmqueue's backend with graphs and eager, each built
-  once, interleaved over rounds, with today's sampler and with the per-particle sampler it
-  replaced (`legacy_extend_all`); calls/s, ms per forward and its share of the wall time, peak
-  GPU memory above the model, and one profiled run each for the share of wall time in kernels;
+  once, interleaved over rounds, with today's sampler and (unless ``LEGACY=0``) the per-particle
+  sampler it replaced (`legacy_extend_all`); calls/s, ms per forward and its share of the wall
+  time, peak GPU memory above the model, and one profiled run each for the share of wall time
+  in kernels;
+* ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first),
+  ``REPEATS`` rounds (3) against genlm's full grid, after its warm-up round;
+* ``lockstep``: ``smc_lockstep.py`` (beside this script): the queue's cost to a lock-step
+  64 x 24 program through one mock worker whose answers cost nothing;
 * ``profile``: py-spy (``bin/py-spy`` beside this script) over the in-process lmqueue side of
   ``smc`` in a child process, summarized per thread (forward thread, sampler, event loop);
 * ``forward``: ``lmq bench forward`` on the device (24 layers of width 64: overhead, not FLOPs);
-* ``queue``: ``lmq bench model`` with one worker process (the model saved to disk first),
-  ``REPEATS`` rounds (3) against genlm's full grid;
+* ``transport``: ``lmq bench transport`` on the machine's cores (vectors of the tokenizer's size;
+  skipped if ``BUDGET_S`` leaves under a minute);
 * ``programs``: ``lmq bench programs`` K=4 (32 particles x 24 steps, genlm at its defaults, as
   ``../shared/gpu``'s baseline): calls/s and GPU memory in use, one worker against four copies
-  (shortened or skipped to end by ``BUDGET_S`` seconds after the start, if set);
-* ``transport``: ``lmq bench transport`` on the machine's cores (vectors of the tokenizer's size).
+  (shortened or skipped to end by ``BUDGET_S`` seconds after the start, if set).
 
 On a machine without CUDA it runs the same code on the CPU with tiny shapes (``SIZE=tiny``), to
 shake the script out before spending device time.

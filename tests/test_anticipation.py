@@ -159,8 +159,9 @@ def test_with_no_one_else_queued_some_of_its_calls_back_end_the_wait() -> None:
     clock.now += 0.002
     assert returning.waiting({"sampler": 0}.get, clock.now, 0.1, queued=0)[0]  # none back yet
     assert returning.waiting({"sampler": 50}.get, clock.now, 0.1, queued=50) == (False, 0.0)
-    returning.sent("sampler", 32, cost=32.0, queued=32)  # a step of 64, a batch of 32
-    assert returning.waiting({"sampler": 32}.get, None, 0.1, queued=32) == (False, 0.0)
+    returning.sent("sampler", 32, cost=32.0, queued=10)  # a step of 42, a batch of 32
+    assert returning.awaits("sampler")
+    assert returning.waiting({"sampler": 10}.get, None, 0.1, queued=10) == (False, 0.0)
     # with another tenant's requests queued, a partial return is still waited for (bounded)
     returning.sent("sampler", 64, cost=64.0)
     returning.replied("sampler")

@@ -53,14 +53,14 @@ async def _rounds(args: argparse.Namespace, queue: str, cache: str, workers: Any
                 workload, seed=index, prompt=bench_prompt(tokenizer, 100, variant=index + 1)
             )
             await lm.next_token_logprobs(run.prompt)
-            timed = _Timeline(lm) if args.timeline else lm
-            if isinstance(timed, _Timeline):
-                smc_sampler._extend_all = timed.weighing(extend_all)
+            timeline = _Timeline(lm) if args.timeline else None
+            if timeline is not None:
+                smc_sampler._extend_all = timeline.weighing(extend_all)
             meter = CpuMeter({"client": [os.getpid()], "worker": [w.pid for w in workers]})
             with one_torch_thread():
                 meter.start()
                 started = time.perf_counter()
-                result = await run.run(timed)
+                result = await run.run(timeline or lm)
                 wall = time.perf_counter() - started
                 cpu = meter.stop()
             steps = max(result.steps, 1)
@@ -70,8 +70,8 @@ async def _rounds(args: argparse.Namespace, queue: str, cache: str, workers: Any
                 + ", ".join(f"{k} {1000 * v / steps:.1f}" for k, v in cpu.items()),
                 flush=True,
             )
-            if isinstance(timed, _Timeline):
-                print("  " + timed.summary(), flush=True)
+            if timeline is not None:
+                print("  " + timeline.summary(), flush=True)
                 print(f"  client stats {lm.stats}", flush=True)
 
 
@@ -111,10 +111,10 @@ class _Timeline:
         steps: list[tuple[float, ...]] = []
         begin = calls[0][0] if calls else 0.0
         for weigh_start, weigh_end in marks:  # a step: its calls, then the sampler's weighing
-            ends = [end for start, end in calls if begin <= start < weigh_start]
-            first_call = min((s for s, _ in calls if begin <= s < weigh_start), default=begin)
-            if ends:
-                steps.append((weigh_end - begin, min(ends) - first_call, max(ends) - min(ends),
+            own = [call for call in calls if begin <= call[0] < weigh_start]  # sorted by start
+            if own:
+                ends = [end for _, end in own]
+                steps.append((weigh_end - begin, min(ends) - own[0][0], max(ends) - min(ends),
                               weigh_start - max(ends), weigh_end - weigh_start))  # fmt: skip
             begin = weigh_end
         if os.environ.get("TIMELINE_ALL"):

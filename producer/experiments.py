@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import hashlib
 import json
 import re
 import secrets
@@ -46,7 +47,16 @@ __all__ = [
 TERMINAL = frozenset({"complete", "failed", "cancelled"})
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _KIND = re.compile(r"^[A-Za-z0-9_.:]{1,200}$")
+#: The record's fields that claim an id for one submission (a digest of what it asks) and
+#: say that the submission was posted whole (see `Experiments.submit`).
+_ORDER, _POSTED = "order", "posted"
 _INT_FIELDS = ("done", "total", "attempts", "submitted_ms", "started_ms", "finished_ms")
+
+
+def _order_digest(kind: str, model: str, params: str, start_after_ms: int) -> str:
+    """What a submission asks for, in 16 hex digits: a retry of it has the same."""
+    text = json.dumps([kind, model, params, start_after_ms], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def validate_experiment_id(experiment_id: str) -> str:
@@ -251,8 +261,17 @@ class Experiments:
         with self._boundary(f"submitting experiment {experiment_id!r}"):
             await self._connected()
             await self.check(kind, params or {}, model)
-            if not await self.redis.hsetnx(record, "submitted_ms", now_ms):
-                return experiment_id  # the same id runs once
+            start_after_ms = int((start_after_s or 0) * 1000)
+            order = _order_digest(kind, model, encoded, start_after_ms)
+            if not await self.redis.hsetnx(record, _ORDER, order):
+                existing = await self.redis.hgetall(record)
+                if _POSTED.encode() in existing or existing.get(_ORDER.encode()) != order.encode():
+                    return experiment_id  # the same id runs once, as first submitted
+            # A first try, or the same submission again after an outage cut it short (the
+            # record claimed, not posted): what is missing is written. In this order every
+            # prefix that lands is safe: the order is posted only once the record says what to
+            # run, the status is set only if no run has set it yet, and the marker last (a
+            # second order of one id enqueues no second job: `scheduler.dispatcher`).
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hset(
                     record,
@@ -260,12 +279,14 @@ class Experiments:
                         "kind": kind,
                         "model": model,
                         "params": encoded,
-                        "status": "queued",
-                        "start_after_ms": int((start_after_s or 0) * 1000),
+                        "start_after_ms": start_after_ms,
                     },
                 )
-                pipe.zadd(self.keys.experiment_index(), {experiment_id: now_ms})
+                pipe.hsetnx(record, "submitted_ms", now_ms)
+                pipe.hsetnx(record, "status", "queued")
+                pipe.zadd(self.keys.experiment_index(), {experiment_id: now_ms}, nx=True)
                 pipe.xadd(self.keys.experiment_inbox(), {"id": experiment_id})
+                pipe.hset(record, _POSTED, 1)
                 await pipe.execute()
         return experiment_id
 

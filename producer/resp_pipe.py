@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 from redis.asyncio.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
 from lmqueue.shared.connections import bounded, tune_socket
+from lmqueue.shared.redis_errors import reply_error
 
 __all__ = ["RespPipe"]
 
@@ -246,7 +246,7 @@ class _Protocol(asyncio.BufferedProtocol):
         elif kind == 43:  # + simple string
             self._emit(bytes(line))
         elif kind == 45:  # - error
-            self._emit(ResponseError(line.decode(errors="replace")))
+            self._emit(reply_error(line.decode(errors="replace")))
         else:
             raise ValueError(f"unexpected RESP type byte {kind!r}")
 

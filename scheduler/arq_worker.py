@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
-from arq import cron
+from arq import Retry, cron
 from arq.cron import CronJob
 from arq.worker import func
 
 from lmqueue.producer.experiments import Experiments
 from lmqueue.shared.experiment_kinds import encode_catalog
+from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN
 
 from .dispatcher import JOB_FUNCTION, Dispatcher
 from .kinds import kind_specs, resolve_kinds
@@ -32,6 +34,10 @@ from .settings import CronEntry, SchedulerSettings
 
 __all__ = ["build_worker", "run_experiment", "serve"]
 
+logger = logging.getLogger(__name__)
+
+#: An experiment whose run an outage cut short is tried again this long after.
+_OUTAGE_RETRY_S = 1.0
 #: arq keeps a job's result at most this long (the experiment's record says the same).
 _ARQ_RESULT_S = 24 * 3600
 
@@ -39,7 +45,15 @@ _ARQ_RESULT_S = 24 * 3600
 async def run_experiment(ctx: dict[str, Any], tenant: str, experiment_id: str) -> dict[str, Any]:
     """arq job: run one experiment of `tenant` (see `ExperimentRun`)."""
     runtime: SchedulerRuntime = ctx["lmq"]
-    return await ExperimentRun(runtime, tenant, experiment_id, ctx["job_id"]).execute()
+    try:
+        return await ExperimentRun(runtime, tenant, experiment_id, ctx["job_id"]).execute()
+    except REDIS_AUTH:
+        raise
+    except REDIS_DOWN as exc:
+        # arq fails a job on any other exception, and its record would stay "running" with no
+        # job left to finish it: an outage that escaped the run's own retries runs it again
+        logger.warning("experiment %s of %s: %r; it runs again", experiment_id, tenant, exc)
+        raise Retry(defer=_OUTAGE_RETRY_S) from exc
 
 
 async def _startup(ctx: dict[str, Any]) -> None:
@@ -115,6 +129,7 @@ def build_worker(settings: SchedulerSettings, planes: Planes, **overrides: Any) 
         "on_shutdown": _shutdown,
         "ctx": {"settings": settings, "planes": planes},
         "health_check_interval": 60,
+        "claim_lease_s": settings.lease_s,
     }
     options.update(overrides)
     return ResilientWorker(**options)

@@ -1,11 +1,18 @@
 """Riding out a Redis outage: the scheduler keeps its process, its jobs and its leases' meaning.
 
 Workers and clients retry while Redis is away (`shared.redis_errors.REDIS_DOWN`); the
-scheduler does the same in its three places that talk to Redis on their own:
+scheduler does the same in the places that talk to Redis on their own:
 
 - arq's poll loop (`ResilientWorker`): a poll that cannot reach Redis is logged once and
   retried with backoff (0.25 s doubling to 10 s) instead of ending the process; running
-  experiment tasks go on meanwhile (their model calls wait as every client's do).
+  experiment tasks go on meanwhile (their model calls wait as every client's do). A job slot
+  taken by a claim the outage cut short is given back, the claim's WatchError (redis-py's
+  word for a connection lost while watching) counts as the outage it is, a claim lasts
+  `lease_s` rather than the job timeout, and a job task that ended cancelled does not stop
+  the process (arq would let these end the process, starve it or hold a job for days).
+- an experiment's own start (`scheduler.run`): every round trip is retried the same way, and
+  an outage that still escapes a run sends the job back to arq's queue (`Retry`) instead of
+  failing it, which would leave its record "running" for good.
 - a kind's checkpoint and an experiment's final status (`retrying`): retried the same way.
   A checkpoint stays exactly-once: its script appends rows only where the result list is as
   long as this run left it, and only while this run holds the experiment (its run token), so a
@@ -19,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from arq import Worker
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import WatchError
 
 from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN
 
@@ -56,7 +65,51 @@ async def retrying(call: Callable[[], Awaitable[T]], what: str) -> T:
 
 
 class ResilientWorker(Worker):
-    """arq's worker, whose poll loop outlives a Redis outage (see the module docstring)."""
+    """arq's worker, whose poll loop outlives a Redis outage (see the module docstring).
+
+    `claim_lease_s` (the scheduler's ``lease_s``) is how long arq's claim of a job (its
+    in-progress key) lasts until the run renews it. arq makes it the job timeout (days here),
+    so a claim whose run never started, the connection lost between the two, kept the job
+    from running anywhere for days; an experiment's run renews it every 0.25 s from its start.
+    """
+
+    def __init__(self, *args: Any, claim_lease_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if claim_lease_s is not None:
+            self.in_progress_timeout_s = claim_lease_s
 
     async def _poll_iteration(self) -> None:
-        await retrying(super()._poll_iteration, "scheduler poll")
+        await retrying(self._poll_once, "scheduler poll")
+
+    async def _poll_once(self) -> None:
+        """One arq poll. A job task that ended cancelled (arq surfaces each finished task's
+        exception here) is logged: unless this poll itself is being cancelled (the process is
+        stopping), it must not end the process, which would then exit as if told to stop."""
+        try:
+            await super()._poll_iteration()
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            logger.warning("scheduler poll: a job's task ended cancelled; polling on")
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        """arq's `start_jobs`, which takes a job slot (its semaphore and counter) before the
+        round trips that claim the job and gives it back only if they answer: a connection
+        lost among them kept the slot for good, and after ``max_jobs`` such outages the process
+        ran nothing. Here the one slot taken for the job being claimed is given back."""
+        try:
+            await super().start_jobs(job_ids)
+        except REDIS_DOWN:
+            self._give_slot_back()
+            raise
+        except WatchError as exc:
+            # redis-py's word for a connection lost while a key is watched (the claim's
+            # WATCH, EXISTS, ZSCORE; arq catches it only at EXEC): an outage, which ended
+            # the process until it was said so
+            self._give_slot_back()
+            raise RedisConnectionError(f"claiming a job: {exc}") from exc
+
+    def _give_slot_back(self) -> None:
+        self.job_counter -= 1
+        self.sem.release()

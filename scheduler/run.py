@@ -94,8 +94,8 @@ class ExperimentRun:
         if status.cancel_requested:
             return await self._finish("cancelled")
         if not await retrying(lambda: self.rt.limit.acquire(*self.slot), "tenant limit"):
-            limit = self.settings.max_running_per_tenant
-            await self.redis.hset(self.record, "waiting", f"tenant limit: {limit} running")
+            waiting = f"tenant limit: {self.settings.max_running_per_tenant} running"
+            await retrying(lambda: self.redis.hset(self.record, "waiting", waiting), "waiting")
             raise Retry(defer=self.settings.limit_retry_s)
         try:
             return await self._run(raw)
@@ -103,8 +103,13 @@ class ExperimentRun:
             await asyncio.shield(retrying(lambda: self.rt.limit.release(*self.slot), "release"))
 
     async def _run(self, raw: dict[bytes, bytes]) -> dict[str, Any]:
-        await self.control.pexpire(arq_in_progress(self.job_id), self._lease_ms)
-        attempts = await self.redis.hincrby(self.record, "attempts", 1)
+        # arq's in-progress key first: until it is shortened to the lease, a run cut short
+        # here would keep its job from running again for the job timeout (days)
+        in_progress = arq_in_progress(self.job_id)
+        await retrying(lambda: self.control.pexpire(in_progress, self._lease_ms), "lease")
+        # (a reply lost with the connection may count this start twice: attempts only bound
+        # how often a run starts, and an outage spent one)
+        attempts = await retrying(lambda: self.redis.hincrby(self.record, "attempts", 1), "start")
         if attempts > self.settings.max_attempts:
             error = f"gave up after {attempts - 1} starts (the scheduler stopped during each)"
             return await self._finish("failed", error)

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 
 from redis.exceptions import (
     AuthenticationError,
+    BusyLoadingError,
     ClusterError,
     NoPermissionError,
     RedisError,
@@ -37,7 +38,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .errors import AuthenticationFailed, Busy, Forbidden, LMQueueError, Unavailable
 from .settings import mask_secrets, mask_url
 
-__all__ = ["REDIS_AUTH", "REDIS_DOWN", "REDIS_TROUBLE", "redis_boundary", "translate"]
+__all__ = [
+    "REDIS_AUTH",
+    "REDIS_DOWN",
+    "REDIS_TROUBLE",
+    "redis_boundary",
+    "reply_error",
+    "translate",
+]
 
 #: A wrong user or password: retrying cannot help (redis-py raises it as a ConnectionError).
 REDIS_AUTH: tuple[type[BaseException], ...] = (AuthenticationError,)
@@ -65,6 +73,15 @@ _TRANSLATED: tuple[type[BaseException], ...] = (RedisError, *REDIS_DOWN)
 
 #: Refusals that mean "this server cannot take writes or answer right now", not "never".
 _TRANSIENT_REFUSALS = ("LOADING", "READONLY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def reply_error(text: str) -> RedisError:
+    """The redis-py exception for an error reply `text` read by lmqueue's own RESP readers,
+    as redis-py's parser makes it where it matters: a server still loading its data after a
+    restart (LOADING) is down for now (`REDIS_DOWN`), not a refusal of the command."""
+    if text.startswith("LOADING"):
+        return BusyLoadingError(text)
+    return ResponseError(text)
 
 
 def translate(error: BaseException, what: str, url: str | None = None) -> LMQueueError:

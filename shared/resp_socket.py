@@ -34,6 +34,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .connections import tune_socket
+from .redis_errors import reply_error
 
 __all__ = ["RespSocket", "BIG_BULK_BYTES", "target_of", "target_of_url", "pack_commands"]
 
@@ -224,6 +225,8 @@ class RespSocket:
             for reply in self._receive(len(handshake)):
                 if isinstance(reply, ResponseError):
                     raise _handshake_error(reply)
+                if isinstance(reply, Exception):  # LOADING: the server is not up yet
+                    raise reply
 
     def _apply_timeout(self, sock: socket.socket) -> None:
         seconds = max(self.timeout_s, 0.001)
@@ -290,7 +293,7 @@ class RespSocket:
         if kind == 43:  # + simple string
             return bytes(buffer[start + 1 : line_end])
         if kind == 45:  # - error
-            return ResponseError(buffer[start + 1 : line_end].decode(errors="replace"))
+            return reply_error(buffer[start + 1 : line_end].decode(errors="replace"))
         raise RedisConnectionError(f"unreadable reply from Redis: type byte {kind!r}")
 
     def _big_bulk(self, length: int) -> memoryview:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from redis.exceptions import ResponseError
+from redis.exceptions import BusyLoadingError, ResponseError
 
+from lmqueue.shared.redis_errors import REDIS_DOWN
 from lmqueue.shared.resp_socket import BIG_BULK_BYTES
 
 BIG = np.random.default_rng(0).bytes(3 * BIG_BULK_BYTES + 5)
@@ -17,13 +18,15 @@ WIRE = (
     + b"*2\r\n$3\r\n1-0\r\n*4\r\n$1\r\nh\r\n$3\r\nabc\r\n$1\r\nd\r\n$%d\r\n%b\r\n" % (len(BIG), BIG)
     + b"*2\r\n$3\r\n1-1\r\n*2\r\n$1\r\nh\r\n$0\r\n\r\n"
     + b":42\r\n$-1\r\n-ERR no such thing\r\n+OK\r\n*0\r\n*-1\r\n"
+    + b"-LOADING Redis is loading the dataset in memory\r\n"
 )
-EXPECTED_REPLIES = 7
+EXPECTED_REPLIES = 8
 
 
 def assert_wire_replies(replies: list[Any]) -> None:
-    """`replies` are `WIRE`'s seven, parsed: what either RESP reader must make of it."""
-    xread, number, nil, error, ok, empty, nil_array = replies
+    """`replies` are `WIRE`'s eight, parsed: what either RESP reader must make of it (a
+    server still loading its data is down for now, as redis-py says: `REDIS_DOWN`)."""
+    xread, number, nil, error, ok, empty, nil_array, loading = replies
     [[stream, entries]] = xread
     assert stream == b"s" and [entry[0] for entry in entries] == [b"1-0", b"1-1"]
     fields = entries[0][1]
@@ -31,3 +34,4 @@ def assert_wire_replies(replies: list[Any]) -> None:
     assert entries[1][1] == [b"h", b""]
     assert (number, nil, ok, empty, nil_array) == (42, None, b"OK", [], None)
     assert isinstance(error, ResponseError) and str(error) == "ERR no such thing"
+    assert isinstance(loading, BusyLoadingError) and isinstance(loading, REDIS_DOWN)

@@ -61,7 +61,7 @@ def _answers(data: bytes, step: int, commands: int) -> list[Any]:
 
 @pytest.mark.parametrize("step", [1, 7, 100, 4096, 1 << 20])
 def test_replies_parse_the_same_however_the_bytes_are_split(step: int) -> None:
-    assert_wire_replies(_answers(WIRE, step, 7))
+    assert_wire_replies(_answers(WIRE, step, EXPECTED_REPLIES))
 
 
 @pytest.mark.parametrize("step", [1, 3, 4096])

@@ -23,6 +23,7 @@ from lmqueue.scheduler.smc_sampler import lipogram_mask, run_smc
 from lmqueue.shared.errors import (
     BadRequest,
     Forbidden,
+    Unavailable,
     UnknownAdapter,
     UnknownExperiment,
     UnknownModel,
@@ -245,6 +246,30 @@ async def test_the_same_id_submitted_twice_runs_once(experiments):
     assert (status.status, status.attempts, status.total) == ("complete", 1, 3)
     assert await experiments.results(exp_id) == [{"index": i} for i in range(3)]
     assert [s.id for s in await experiments.list()].count(exp_id) == 1
+
+
+async def test_a_submission_an_outage_cut_short_is_completed_by_its_retry_and_by_no_other(
+    experiments, monkeypatch
+):
+    import redis.asyncio as aioredis
+
+    exp_id = _unique("cut")
+    params = {"n": 2, "delay_s": 0}
+
+    def cut(*args, **kwargs):
+        raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    with monkeypatch.context() as patch:  # the connection goes after the id is claimed
+        patch.setattr(aioredis.Redis, "pipeline", cut)
+        with pytest.raises(Unavailable):
+            await experiments.submit("exp_kinds:count", params, experiment_id=exp_id)
+    # another submission of the id does not take it over; the same one again completes it
+    assert await experiments.submit("exp_kinds:count", {"n": 9}, experiment_id=exp_id) == exp_id
+    assert (await experiments.status(exp_id)).kind == ""  # nothing of the other was written
+    assert await experiments.submit("exp_kinds:count", params, experiment_id=exp_id) == exp_id
+    status = await experiments.wait(exp_id, 30)
+    assert (status.status, status.total, status.attempts) == ("complete", 2, 1)
+    assert await experiments.results(exp_id) == [{"index": 0}, {"index": 1}]
 
 
 async def test_a_deferred_experiment_starts_at_its_time(experiments):

@@ -163,3 +163,28 @@ def test_the_monitor_counts_experiment_keys_that_never_expire_not_those_kept_a_w
     monitor.sample()
     assert monitor.series["experiment_keys"][-1][1] == 3
     admin.close()
+
+
+def test_the_rig_names_a_worker_or_scheduler_that_ended_with_its_code_and_last_log_lines(
+    tmp_path,
+):
+    import sys
+
+    from lmqueue.bench.soak.rig import Rig, RigConfig
+    from lmqueue.devstack import ChildProcess
+
+    rig = Rig(RigConfig(work=tmp_path))
+    died = ChildProcess("soak-w0", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+                        tmp_path / "w0.log")  # fmt: skip
+    lives = ChildProcess("soak-w1", [sys.executable, "-c", "import time; time.sleep(60)"],
+                         tmp_path / "w1.log")  # fmt: skip
+    rig.workers = [died.start(), lives.start()]
+    try:
+        died.process.wait(30)
+        exited = rig.exited()
+        assert list(exited) == ["soak-w0"]
+        assert exited["soak-w0"]["exit_code"] == 3
+        assert exited["soak-w0"]["log_tail"][-1] == "boom"
+        assert "soak-w0" not in rig.pids() and "soak-w1" in rig.pids()
+    finally:
+        lives.kill()

@@ -35,6 +35,7 @@ from lmqueue.devstack import (
     wait_live,
 )
 from lmqueue.shared.connections import sync_redis
+from lmqueue.shared.settings import mask_secrets
 from lmqueue.shared.tenants import WORKER_USER, TenantConfig
 from lmqueue.tenant_admin import TenantAdmin, user_url
 
@@ -44,8 +45,11 @@ ADAPTERS = ("ft1", "ft2")
 #: tenant -> the adapters its client process cycles through ("" is the base model)
 PROGRAM_TENANTS = {"alice": ("",), "bob": ADAPTERS}
 EXPERIMENT_TENANT = "carol"
-#: the client processes' environment on top of this one's
-CLIENT_ENV = {"OMP_NUM_THREADS": "1", "LMQ_LOG_LEVEL": "WARNING"}
+#: every child's environment on top of this one's: a crash in native code (a signal) still
+#: leaves the Python stacks in the child's log, for `Rig.exited`
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+#: the client processes' environment
+CLIENT_ENV = {**CHILD_ENV, "LMQ_LOG_LEVEL": "WARNING"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ class Rig:
     def _start_workers(self) -> None:
         env = {
             "LMQ_CLAIM_IDLE_MS": str(self.config.claim_idle_ms), "LMQ_HEARTBEAT_S": "1",
-            "OMP_NUM_THREADS": "1", "LMQ_LOG_LEVEL": "INFO",
+            **CHILD_ENV, "LMQ_LOG_LEVEL": "INFO",
         }  # fmt: skip
         adapters = [
             a for name, path in self.adapter_dirs.items() for a in ("--adapter", f"{name}={path}")
@@ -181,7 +185,7 @@ class Rig:
         config = self.work / "scheduler.json"
         config.write_text(json.dumps(settings))
         self.scheduler = SchedulerProcess(
-            self.admin_url, "soak-scheduler", config, self.logs, env={"OMP_NUM_THREADS": "1"}
+            self.admin_url, "soak-scheduler", config, self.logs, env=CHILD_ENV
         ).start()
 
     def _client(self, tenant: str, variant: int) -> ClientProcess:
@@ -203,7 +207,7 @@ class Rig:
         """Role -> pid of every process now running (restarted ones under their role)."""
         out = {w.name: w.pid for w in self.workers if w.alive}
         out.update({f"client-{c.name}": c.pid for c in self.clients if c.process})
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler.alive:  # (a dead one: `exited`)
             out["scheduler"] = self.scheduler.pid
         for role, server in (("redis-queue", self.queue), ("redis-cache", self.cache)):
             if server is not None and server.process is not None:
@@ -211,6 +215,17 @@ class Rig:
         for node in self.cluster.nodes if self.cluster is not None else []:
             if node.process is not None and node.alive:
                 out[f"redis-{node.port}"] = node.process.pid
+        return out
+
+    def exited(self, tail_lines: int = 40) -> dict[str, dict[str, Any]]:
+        """The scheduler and workers that ended on their own (none should, faults included:
+        a killed worker is started again at once): name -> exit code and its log's last lines.
+        Checked before `stop_clients`'s end, so a failed soak says who died, and why."""
+        out: dict[str, dict[str, Any]] = {}
+        for child in [*self.workers, *([self.scheduler] if self.scheduler else [])]:
+            if child.process is not None and not child.alive:
+                tail = [mask_secrets(line) for line in child.log().splitlines()[-tail_lines:]]
+                out[child.name] = {"exit_code": child.process.returncode, "log_tail": tail}
         return out
 
     # -- stop ------------------------------------------------------------------------------------

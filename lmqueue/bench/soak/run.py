@@ -74,9 +74,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         loop = ExperimentLoop(rig.urls[EXPERIMENT_TENANT], rig.model)
         faults = asyncio.run(_drive(rig, args, monitor, loop, report))
         drained = _drain(monitor)
+        exited = rig.exited()
     finally:
         rig.close()
-    return _judge(report, rig, monitor, loop, faults, drained, args)
+    return _judge(report, rig, monitor, loop, faults, drained, exited, args)
 
 
 async def _drive(
@@ -136,6 +137,7 @@ def _judge(
     loop: ExperimentLoop,
     faults: list[dict[str, Any]],
     drained: dict[str, float],
+    exited: dict[str, dict[str, Any]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     journals = [c.journal for c in rig.clients]
@@ -144,6 +146,10 @@ def _judge(
     report.figure("calls", calls.as_dict(), line=f"calls {json.dumps(calls.as_dict())}")
     report.figure("experiments", exp.as_dict(), line=f"experiments {json.dumps(exp.as_dict())}")
     report.figure("drained", drained, line=f"left after the clients stopped: {drained}")
+    for name, death in exited.items():
+        tail = "\n    ".join(death["log_tail"])
+        line = f"{name} EXITED (code {death['exit_code']}) during the run; its log ends:"
+        report.figure(f"exited.{name}", death, line=f"{line}\n    {tail}")
     adapters = {name: rig.adapter_dirs[name] for name in ADAPTERS}
     verdicts = verify(rig.model, adapters, calls.samples, exp.scored)
     for kind, verdict in verdicts.items():
@@ -171,6 +177,7 @@ def _judge(
     ratios = {
         "lost": lost, "duplicated": duplicated, "wrong": wrong, "rising": len(rising),
         "stuck_pending": int(drained["pending_entries"]), "experiments_failed": failed,
+        "exited": len(exited),
     }  # fmt: skip
     flat = f"{len(judged) - len(rising)}/{len(judged)} series flat"
     flat += f" (rising: {', '.join(rising)})" if rising else ""
@@ -181,12 +188,13 @@ def _judge(
         f"abandoned {calls.abandoned}; experiments {exp.complete}/{exp.submitted} complete "
         f"({failed} failed); "
         f"{flat}; "
-        f"{len(faults)} faults; plot {png}  "
-        "[target: lost 0, duplicated 0, wrong 0, 0 failed, all flat]"
+        + (f"EXITED: {', '.join(exited)}; " if exited else "")
+        + f"{len(faults)} faults; plot {png}  "
+        "[target: lost 0, duplicated 0, wrong 0, 0 failed, all flat, none exited]"
     )  # fmt: skip
     result = report.finish(ratios, summary, args.out_dir)
     result["passed"] = not (
-        lost or duplicated or wrong or rising or failed or drained["pending_entries"]
+        lost or duplicated or wrong or rising or failed or drained["pending_entries"] or exited
     )
     return result
 

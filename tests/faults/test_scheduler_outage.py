@@ -1,23 +1,27 @@
 """The scheduler rides out a Redis outage as workers and clients do.
 
-A real redis-server with AOF (fsync always, so a restart keeps what was acknowledged), a real
-scheduler process running a checkpointing experiment; Redis is killed (SIGKILL) mid-run and
-started again on the same port a few seconds later. The scheduler process stays up, and the
-experiment finishes with every row exactly once.
+A real redis-server with AOF, a real scheduler process running checkpointing experiments;
+Redis is killed (SIGKILL) and started again on the same port: once mid-run a few seconds
+later, and 25 times at random moments under three submitters. The scheduler process stays
+up, and every experiment finishes with every row exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from lmqueue.devstack import LocalRedis
 from lmqueue.producer import Experiments
+from lmqueue.shared.errors import Unavailable
 from lmqueue.shared.keys import KeySpace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -64,3 +68,80 @@ async def test_a_redis_restart_under_a_running_experiment_loses_and_doubles_no_r
         finally:
             assert scheduler.stop() in (0, None), scheduler.log()
         assert "Traceback" not in scheduler.log(), scheduler.log()
+
+
+async def _retrying(url: str, call: Any, attempts: int = 120) -> Any:
+    """`call(experiments)` on a fresh connection, again while Redis is away (as a user's
+    retry would: the same submission, the same wait)."""
+    for attempt in range(attempts):
+        try:
+            async with Experiments.connect(url) as experiments:
+                return await call(experiments)
+        except (Unavailable, ConnectionError):
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+async def test_a_scheduler_outlives_redis_restarts_at_random_moments_running_every_experiment_once(
+    tmp_path: Path,
+) -> None:
+    """Restarts every 0.3-2 s under three submitters of short experiments: each cuts some
+    round trip of the scheduler (a claim, a checkpoint, a finish) or of a submission. Before
+    `scheduler.outage` handled them all, such runs ended the process (WatchError in a claim)
+    or left experiments stuck (a claim held for the job timeout, a job failed by an outage)."""
+    with LocalRedis(args=["--appendonly", "yes", "--appendfsync", "everysec"]) as server:
+        config = tmp_path / "scheduler.json"
+        config.write_text(json.dumps({
+            "kinds": {"exp_kinds:count": "exp_kinds:count"}, "lease_s": 3.0,
+        }))  # fmt: skip
+        scheduler = SchedulerProcess(server.url, "restarts-0", config, tmp_path).start()
+        stop, restarts = threading.Event(), []
+
+        def restart_often() -> None:
+            rng = random.Random(7)
+            while not stop.wait(rng.uniform(0.3, 2.0)) and len(restarts) < 25:
+                server.kill()
+                server.stop()
+                server.start(timeout_s=60)
+                restarts.append(time.monotonic())
+
+        async def submitter(k: int) -> list[str]:
+            ids = []
+            while not stop.is_set():
+                exp_id = f"r{k}-{len(ids)}"
+                await _retrying(server.url, lambda ex, e=exp_id: ex.submit(
+                    "exp_kinds:count", {"n": 4, "delay_s": 0.02}, experiment_id=e))  # fmt: skip
+                ids.append(exp_id)
+                status = await _retrying(server.url, lambda ex, e=exp_id: ex.wait(e, 60))
+                assert status.status == "complete", (status, scheduler.log()[-3000:])
+            return ids
+
+        try:
+            admin = redis.Redis.from_url(server.url)
+            deadline = time.monotonic() + 60
+            while not admin.exists(KeySpace().experiment_kinds()):
+                assert time.monotonic() < deadline, scheduler.log()
+                time.sleep(0.1)
+            admin.close()
+            faults = threading.Thread(target=restart_often)
+            faults.start()
+            watcher = asyncio.get_running_loop().run_in_executor(None, faults.join)
+            submitters = asyncio.gather(*(submitter(k) for k in range(3)))
+            await watcher
+            stop.set()
+            ids = [i for some in await submitters for i in some]
+            assert len(restarts) == 25
+            assert scheduler.process is not None and scheduler.process.poll() is None, (
+                scheduler.log()[-3000:]
+            )
+            for exp_id in ids:
+                rows = await _retrying(server.url, lambda ex, e=exp_id: ex.results(e))
+                assert [row["index"] for row in rows] == list(range(4)), exp_id  # once each
+            assert len(ids) >= 25
+        finally:
+            stop.set()
+            code = scheduler.stop()
+        assert code in (0, None), scheduler.log()[-3000:]
+        assert "unexpected" not in scheduler.log(), scheduler.log()[-3000:]

@@ -31,6 +31,7 @@ from redis.exceptions import (
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
+    WatchError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -65,8 +66,10 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (
 )
 
 #: Down, or refusing a command for now (NOGROUP after a restart emptied the server): what a
-#: worker's background loops log and outlive.
-REDIS_TROUBLE: tuple[type[BaseException], ...] = (*REDIS_DOWN, ResponseError)
+#: worker's background loops log and outlive. WatchError too: redis-py raises it for a
+#: connection lost while a key is watched (arq's enqueue and claim watch theirs), and at EXEC
+#: for a watched key that changed, which a retry settles as well.
+REDIS_TROUBLE: tuple[type[BaseException], ...] = (*REDIS_DOWN, ResponseError, WatchError)
 
 #: Everything `redis_boundary` translates.
 _TRANSLATED: tuple[type[BaseException], ...] = (RedisError, *REDIS_DOWN)

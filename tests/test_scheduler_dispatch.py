@@ -13,6 +13,7 @@ import contextlib
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from lmqueue.scheduler import dispatcher as dispatching
 from lmqueue.scheduler.dispatcher import SCHEDULER_GROUP, Dispatcher
@@ -87,3 +88,31 @@ async def test_a_dead_schedulers_order_is_taken_over_while_the_dispatcher_runs(
     await _read_by(redis_url, aredis, "sched-dead", "orphan")
     # too young to take over when the dispatcher starts; idle long enough 1.5 s later
     assert await _dispatching(dispatcher, arq, {"orphan"}, 5.0) == {"orphan"}
+
+
+class _CutOnceArq(_Arq):
+    """arq's enqueue, whose first call loses its connection while it watches the job key
+    (redis-py raises WatchError there): it ended the dispatcher's task, and every later
+    submission stayed ``queued`` while the scheduler process ran on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = False
+
+    async def enqueue_job(self, function: str, tenant: str, experiment_id: str, **kw: object):
+        if not self.cut:
+            self.cut = True
+            raise WatchError("A ConnectionError occurred on while watching one or more keys")
+        return await super().enqueue_job(function, tenant, experiment_id, **kw)
+
+
+async def test_an_enqueue_cut_while_watching_is_retried_and_the_dispatcher_goes_on(
+    redis_url, aredis
+):
+    arq = _CutOnceArq()
+    dispatcher = Dispatcher(SchedulerSettings(redis_url=redis_url, name="sched-w"), aredis, arq,
+                            {"score"})  # fmt: skip
+    await _submitted(redis_url, "cut-while-watching")
+    await _submitted(redis_url, "after-it")
+    wanted = {"cut-while-watching", "after-it"}
+    assert await _dispatching(dispatcher, arq, wanted, 5.0) == wanted

@@ -17,15 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from lmqueue.devstack import LocalRedis
 from lmqueue.producer import Experiments
 from lmqueue.shared.errors import Unavailable
-from lmqueue.shared.keys import KeySpace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scheduler_processes import SchedulerProcess  # noqa: E402
+from scheduler_processes import SchedulerProcess, wait_for_published_kinds  # noqa: E402
 
 
 def _persistent() -> LocalRedis:
@@ -43,12 +40,7 @@ async def test_a_redis_restart_under_a_running_experiment_loses_and_doubles_no_r
         }))  # fmt: skip
         scheduler = SchedulerProcess(server.url, "outage-0", config, tmp_path).start()
         try:
-            admin = redis.Redis.from_url(server.url)
-            deadline = time.monotonic() + 60
-            while not admin.exists(KeySpace().experiment_kinds()):
-                assert time.monotonic() < deadline, scheduler.log()
-                time.sleep(0.1)
-            admin.close()
+            wait_for_published_kinds(server.url, scheduler)
             async with Experiments.connect(server.url) as experiments:
                 exp_id = await experiments.submit("exp_kinds:count", {"n": 60, "delay_s": 0.1})
                 async for status in experiments.follow(exp_id, 0.05):
@@ -119,12 +111,7 @@ async def test_a_scheduler_outlives_redis_restarts_at_random_moments_running_eve
             return ids
 
         try:
-            admin = redis.Redis.from_url(server.url)
-            deadline = time.monotonic() + 60
-            while not admin.exists(KeySpace().experiment_kinds()):
-                assert time.monotonic() < deadline, scheduler.log()
-                time.sleep(0.1)
-            admin.close()
+            wait_for_published_kinds(server.url, scheduler)
             faults = threading.Thread(target=restart_often)
             faults.start()
             watcher = asyncio.get_running_loop().run_in_executor(None, faults.join)

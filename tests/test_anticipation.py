@@ -219,18 +219,18 @@ async def test_other_parts_replies_wait_for_every_awaited_part_or_the_safety_bou
     await asyncio.wait_for(AwaitedFirst(1).wait(0.01), 1.0)  # never written: the bound ends it
 
 
-async def test_other_parts_replies_then_wait_for_the_next_pick_or_its_bound() -> None:
-    picked = asyncio.Event()
-    first = AwaitedFirst(1, picked, 5.0)
+async def test_other_parts_replies_then_wait_for_the_next_forward_or_its_bound() -> None:
+    started = asyncio.Event()
+    first = AwaitedFirst(1, started, 5.0)
     waiter = asyncio.create_task(first.wait(5.0))
     first.written()
     await asyncio.sleep(0.01)
-    assert not waiter.done()  # the awaited part is written; the next batch is not picked yet
-    picked.set()
+    assert not waiter.done()  # the awaited part is written; the next batch is not started yet
+    started.set()
     await asyncio.wait_for(waiter, 1.0)
     bounded = AwaitedFirst(1, asyncio.Event(), 0.01)
     bounded.written()
-    await asyncio.wait_for(bounded.wait(5.0), 1.0)  # never picked: its bound ends it
+    await asyncio.wait_for(bounded.wait(5.0), 1.0)  # never started: its bound ends it
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, encode_request
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
-from lmqueue.workers.late_binding import PICK_LEAD, BackendOccupancy, BatchForward
+from lmqueue.workers.late_binding import PICK_LEAD, BackendOccupancy, BatchForward, ForwardPart
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"
@@ -160,3 +160,38 @@ async def test_a_batch_reports_the_backends_time_from_its_call_and_none_for_cach
     hits = BatchForward(1, timed=took.append)
     hits.part().computed()
     assert len(took) == 1  # nothing computed: nothing to time
+
+
+async def test_a_batch_says_once_when_its_parts_are_released_to_the_backend() -> None:
+    order: list[str] = []
+    forward = BatchForward(2, started=lambda: order.append("started"))
+    parts = [forward.part(), forward.part()]
+
+    async def call(name: str, part: ForwardPart) -> None:
+        await part.ready()
+        order.append(name)
+
+    first = asyncio.create_task(call("first part", parts[0]))
+    await asyncio.sleep(0.01)
+    assert order == []  # one part still decoding
+    await call("last part", parts[1])
+    await first
+    assert order == ["started", "first part", "last part"]
+    parts[0].computed()
+    parts[1].computed()
+    assert order.count("started") == 1
+    empty: list[str] = []
+    BatchForward(0, started=lambda: empty.append("started"))  # nothing to call: released at once
+    assert empty == ["started"]
+
+
+async def test_the_parts_of_a_batch_call_the_backend_in_the_order_they_arrived() -> None:
+    forward = BatchForward(3)
+    calls: list[int] = []
+
+    async def call(index: int, part: ForwardPart) -> None:
+        await part.ready()
+        calls.append(index)
+
+    await asyncio.gather(*(call(i, forward.part()) for i in range(3)))
+    assert calls == [0, 1, 2]  # the last to arrive does not run ahead of the others

@@ -140,3 +140,16 @@ async def test_every_result_of_a_large_batch_matches_the_backend(backend):
     replies = _replies(outcome)
     for i, prompt in enumerate(prompts):
         np.testing.assert_array_equal(replies[f"c:{i}"].vector(), backend.logprobs_of(prompt))
+
+
+def test_an_entry_is_decoded_once_and_a_malformed_one_raises_each_time() -> None:
+    fields = {
+        k.encode(): v for k, v in encode_request(Request("r1", "c1", b"\x01\x00\x00\x00")).items()
+    }
+    entry = Entry("1-0", fields)
+    assert entry.request() is entry.request()  # decoded when read, reused when picked
+    assert entry == Entry("1-0", fields)  # the decoded request is no part of its value
+    broken = Entry("2-0", {b"m": b"\xc1"})
+    for _ in range(2):
+        with pytest.raises(MalformedMessage):
+            broken.request()

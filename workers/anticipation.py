@@ -179,21 +179,25 @@ class AwaitedFirst:
     """An awaited tenant's replies are written before the other parts' of its batch: until its
     next calls are back the backend idles, and other replies written ahead of its own on the
     worker's one writer thread lengthened that idle by their writing (BENCHMARKS.md, fairness,
-    and the trace in its history). The other parts then wait for the next pick as well, since
-    their writing and their clients' reading, on the same Redis and cores, lengthened the
-    awaited tenant's round trip too; their clients have calls queued, so theirs can wait.
+    and the trace in its history). The other parts then wait until the next batch goes to the
+    backend as well, since their writing and their clients' reading, on the same Redis and
+    cores, lengthened the awaited tenant's round trip too, and once the next batch was picked
+    their writing still delayed its forward's start (decoding it, on the same cores; a trace:
+    1.4-2.2 ms from the pick to the forward); their clients have calls queued, so theirs can
+    wait.
 
     Args:
         parts: how many of the batch's parts are awaited tenants'.
-        next_pick: set when the worker picks its next batch (None: the others do not wait for it).
+        next_forward: set when the worker's next batch goes to the backend (None: the others
+            do not wait for it).
         pick_wait_s: the longest the others wait for it (the worker's ``anticipate_ms``).
     """
 
     def __init__(
-        self, parts: int, next_pick: asyncio.Event | None = None, pick_wait_s: float = 0.0
+        self, parts: int, next_forward: asyncio.Event | None = None, pick_wait_s: float = 0.0
     ) -> None:
         self._left = parts
-        self._next_pick = next_pick
+        self._next_forward = next_forward
         self._pick_wait_s = pick_wait_s
         self._written = asyncio.Event()
         if parts <= 0:
@@ -208,9 +212,9 @@ class AwaitedFirst:
     async def wait(self, timeout_s: float) -> None:
         """Wait until every awaited part's replies are written, at most `timeout_s` (a safety
         bound: their writing is bounded by Redis's stall timeout and retries), then for the
-        next pick, at most ``pick_wait_s``."""
+        next batch's forward, at most ``pick_wait_s``."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._written.wait(), timeout_s)
-        if self._next_pick is not None and self._pick_wait_s > 0:
+        if self._next_forward is not None and self._pick_wait_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._next_pick.wait(), self._pick_wait_s)
+                await asyncio.wait_for(self._next_forward.wait(), self._pick_wait_s)

@@ -145,7 +145,9 @@ def _running(estimate: float, took_s: float) -> float:
 class BatchForward:
     """One batch's parts on their way to the backend: they call it together, and `computed`
     is called once the backend is done with all of them (`timed` with the seconds from the
-    last part's arrival, when the backend was called, to then)."""
+    last part's arrival, when the backend was called, to then). `started` is called once,
+    when every part has arrived: the parts are released to call the backend (or, all cache
+    hits or refusals, need none), so work deferred until then no longer delays them."""
 
     def __init__(
         self,
@@ -153,17 +155,20 @@ class BatchForward:
         computed: Callable[[], None] | None = None,
         timed: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        started: Callable[[], None] | None = None,
     ) -> None:
         self._clock = clock
+        self._parts = parts
         self._not_ready = parts
         self._not_computed = parts
         self._all_ready = asyncio.Event()
         self._computed = computed
         self._timed = timed
+        self._started = started
         self._called_at = 0.0
         self._calls = False  # whether any part calls the backend (cache hits do not)
         if not parts:
-            self._all_ready.set()
+            self._release()
 
     def part(self) -> ForwardPart:
         """The handle of one part (make exactly as many as `parts`)."""
@@ -173,7 +178,14 @@ class BatchForward:
         self._not_ready -= 1
         if self._not_ready <= 0 and not self._all_ready.is_set():
             self._called_at = self._clock()
-            self._all_ready.set()
+            self._release()
+
+    def _release(self) -> None:
+        # The parts' waits are woken first, then whatever `started` wakes: the parts reach
+        # the backend before it runs.
+        self._all_ready.set()
+        if self._started is not None:
+            self._started()
 
     def _done(self) -> None:
         self._not_computed -= 1
@@ -195,12 +207,21 @@ class ForwardPart:
         self._computed = False
 
     async def ready(self) -> None:
-        """This part is about to call the backend: wait until every part is."""
+        """This part is about to call the backend: wait until every part is.
+
+        The parts then call it in the order they arrived: the last one lets those woken by
+        its arrival go first, rather than running on to the backend ahead of them (the worker
+        orders a batch's parts so that an awaited tenant's rows come first, `Worker._handle`).
+        """
         self._batch._calls = True
+        last = False
         if not self._ready:
             self._ready = True
+            last = self._batch._not_ready == 1 and not self._batch._all_ready.is_set()
             self._batch._arrive()
         await self._batch._all_ready.wait()
+        if last and self._batch._parts > 1:
+            await asyncio.sleep(0)
 
     def computed(self) -> None:
         """The backend is done with this part (or it needs none, or it failed)."""

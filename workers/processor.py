@@ -51,7 +51,6 @@ from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import (
     Request,
     bytes_to_vector,
-    decode_request,
     deferred_payload,
     payload_bytes,
     vector_payload,
@@ -214,7 +213,7 @@ class BatchProcessor:
         """The entry's job, or None with its error (or dead letter) in `outcome`; an entry
         naming an adapter not served goes to `unknown` instead, when given (see `process`)."""
         try:
-            request = decode_request(entry.fields)
+            request = entry.request()
             if request.client_id not in self._valid_clients:
                 validate_client_id(request.client_id)
                 if len(self._valid_clients) >= _VALID_CLIENTS_KEPT:

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from lmqueue.shared.connections import execute_pipeline
+from lmqueue.shared.errors import MalformedMessage
 from lmqueue.shared.keys import WORKER_GROUP
+from lmqueue.shared.wire import Request, decode_request
 
 __all__ = ["Entry", "PendingInfo", "RequestStream"]
 
@@ -29,6 +31,25 @@ class Entry:
 
     entry_id: str
     fields: dict[bytes, bytes]
+    _decoded: Request | MalformedMessage | None = field(default=None, compare=False, repr=False)
+
+    def request(self) -> Request:
+        """The entry's request, decoded once (`decode_request`; raises its `MalformedMessage`).
+
+        A worker decodes what it reads when it reads it (`Worker._read_into_scheduler`): most
+        of a batch is read during the forward before, so decoding it then takes it off the
+        way from the pick to the next forward, where the backend idles.
+        """
+        decoded = self._decoded
+        if decoded is None:
+            try:
+                decoded = decode_request(self.fields)
+            except MalformedMessage as exc:
+                decoded = exc
+            object.__setattr__(self, "_decoded", decoded)  # a cache: not part of its value
+        if isinstance(decoded, MalformedMessage):
+            raise decoded
+        return decoded
 
 
 @dataclass(frozen=True, slots=True)

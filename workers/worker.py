@@ -35,6 +35,7 @@ from typing import Any
 
 from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded
+from lmqueue.shared.errors import MalformedMessage
 from lmqueue.shared.heap_freeze import freeze_heap
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.redis_errors import REDIS_DOWN, REDIS_TROUBLE
@@ -110,8 +111,8 @@ class Worker:
         self.returning = ReturningTenants(settings.anticipate_ms / 1000)
         #: Whether the streams were read just now, by a wait for returning tenants that ended.
         self._just_read = False
-        #: Set when the next batch is picked (replaced by a fresh one each time).
-        self._next_pick = asyncio.Event()
+        #: Set when the next batch picked goes to the backend (a fresh one for each batch).
+        self._next_forward = asyncio.Event()
         parts = UpkeepParts(
             settings, self.info, redis, self.keys, self.registry, self.health, self.metrics,
             self.lanes, self.scheduler, self.adapters,
@@ -326,10 +327,9 @@ class Worker:
             calls[pick.tenant] = (n + 1, cost + pick.charged)
         for tenant, (n, cost) in calls.items():
             self.returning.sent(tenant, n, cost, self.scheduler.backlog(tenant))
-        self._next_pick.set()
-        self._next_pick = asyncio.Event()
+        started, self._next_forward = self._next_forward, asyncio.Event()
         release = self.occupancy.hold()
-        task = asyncio.create_task(self._handle(picks, computed=release))
+        task = asyncio.create_task(self._handle(picks, computed=release, started=started.set))
         self._inflight.add(task)
         task.add_done_callback(lambda _: release())  # a failed batch releases it too
         task.add_done_callback(self._batch_done)
@@ -375,16 +375,23 @@ class Worker:
             credit = self.returning.credit(lane.tenant)
             for entry in entries:
                 self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
+                with contextlib.suppress(MalformedMessage):  # answered when it is picked
+                    entry.request()  # decoded as read, mostly during a forward (`Entry.request`)
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(
         self,
         picks: Sequence[Pick[tuple[Lane, Entry]]],
         computed: Callable[[], None] | None = None,
+        started: Callable[[], None] | None = None,
     ) -> None:
         """Answer one fair batch: each tenant's part with its own keys, all at once.
 
-        The parts call the backend together; `computed` is called once it is done with all.
+        The parts call the backend together; `computed` is called once it is done with all,
+        `started` once they go to it (the previous batch's held replies go out then, not
+        earlier: their writing delayed this forward's start; called on every path).
+        Awaited tenants' parts go first: after the forward theirs are processed and written
+        first, since the backend idles until their next calls are back.
         """
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
         charged: dict[str, float] = {}
@@ -393,20 +400,25 @@ class Worker:
             stream = lane.stream.stream
             parts.setdefault(stream, (lane, []))[1].append(entry)
             charged[stream] = charged.get(stream, 0.0) + pick.charged
-        forward = BatchForward(len(parts), computed, self.occupancy.computed)
+        forward = BatchForward(len(parts), computed, self.occupancy.computed, started=started)
         awaited = {s for s, (lane, _) in parts.items() if self.returning.awaits(lane.tenant)}
         first = None
         if 0 < len(awaited) < len(parts):  # the others' replies wait for this batch's successor
-            first = AwaitedFirst(len(awaited), self._next_pick, self.returning.wait_s)
-        results = await asyncio.gather(
-            *(
-                self._handle_lane(
-                    lane, entries, charged[stream], forward.part(), first, stream in awaited
-                )
-                for stream, (lane, entries) in sorted(parts.items(), key=_smallest_first)
-            ),
-            return_exceptions=True,
-        )
+            first = AwaitedFirst(len(awaited), self._next_forward, self.returning.wait_s)
+        order = sorted(parts.items(), key=lambda part: (part[0] not in awaited, len(part[1][1])))
+        try:
+            results = await asyncio.gather(
+                *(
+                    self._handle_lane(
+                        lane, entries, charged[stream], forward.part(), first, stream in awaited
+                    )
+                    for stream, (lane, entries) in order
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            if started is not None:
+                started()
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -425,7 +437,7 @@ class Worker:
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
         computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
         With `first`, the batch has an `awaited` tenant, whose replies are written before
-        the others' (`AwaitedFirst`), and those after the next pick.
+        the others' (`AwaitedFirst`), and those once the next batch goes to the backend.
         """
         self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
         keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
@@ -479,12 +491,6 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
-
-
-def _smallest_first(part: tuple[str, tuple[Lane, list[Entry]]]) -> int:
-    """Order of a batch's parts: the smallest first (among parts not held for an awaited
-    tenant's replies, `AwaitedFirst`, its replies are written first)."""
-    return len(part[1][1])
 
 
 def _estimated_tokens(entry: Entry) -> int:

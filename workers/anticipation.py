@@ -190,15 +190,15 @@ class AwaitedFirst:
         parts: how many of the batch's parts are awaited tenants'.
         next_forward: set when the worker's next batch goes to the backend (None: the others
             do not wait for it).
-        pick_wait_s: the longest the others wait for it (the worker's ``anticipate_ms``).
+        forward_wait_s: the longest the others wait for it (the worker's ``anticipate_ms``).
     """
 
     def __init__(
-        self, parts: int, next_forward: asyncio.Event | None = None, pick_wait_s: float = 0.0
+        self, parts: int, next_forward: asyncio.Event | None = None, forward_wait_s: float = 0.0
     ) -> None:
         self._left = parts
         self._next_forward = next_forward
-        self._pick_wait_s = pick_wait_s
+        self._forward_wait_s = forward_wait_s
         self._written = asyncio.Event()
         if parts <= 0:
             self._written.set()
@@ -212,9 +212,9 @@ class AwaitedFirst:
     async def wait(self, timeout_s: float) -> None:
         """Wait until every awaited part's replies are written, at most `timeout_s` (a safety
         bound: their writing is bounded by Redis's stall timeout and retries), then for the
-        next batch's forward, at most ``pick_wait_s``."""
+        next batch's forward, at most ``forward_wait_s``."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._written.wait(), timeout_s)
-        if self._next_forward is not None and self._pick_wait_s > 0:
+        if self._next_forward is not None and self._forward_wait_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._next_forward.wait(), self._pick_wait_s)
+                await asyncio.wait_for(self._next_forward.wait(), self._forward_wait_s)

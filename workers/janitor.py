@@ -21,7 +21,6 @@ from collections.abc import AsyncGenerator
 from lmqueue.shared.errors import DeadLettered, MalformedMessage
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.settings import WorkerSettings
-from lmqueue.shared.wire import decode_request
 
 from .outcome import Outcome
 from .request_stream import Entry, RequestStream
@@ -94,7 +93,7 @@ class Janitor:
         parked.dead_letter(entry, error)
         self.dead_lettered_total += 1
         try:
-            request = decode_request(entry.fields)
+            request = entry.request()
         except MalformedMessage:
             return
         parked.error(request.client_id, request.request_id, error)

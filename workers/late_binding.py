@@ -174,15 +174,18 @@ class BatchForward:
         """The handle of one part (make exactly as many as `parts`)."""
         return ForwardPart(self)
 
-    def _arrive(self) -> None:
+    def _arrive(self) -> bool:
+        """One more part is ready; whether it was the last (the batch is released now)."""
         self._not_ready -= 1
         if self._not_ready <= 0 and not self._all_ready.is_set():
             self._called_at = self._clock()
             self._release()
+            return True
+        return False
 
     def _release(self) -> None:
-        # The parts' waits are woken first, then whatever `started` wakes: the parts reach
-        # the backend before it runs.
+        # The waiting parts are woken before whatever `started` wakes, so they call the
+        # backend first; the last part to arrive follows them (`ForwardPart.ready`).
         self._all_ready.set()
         if self._started is not None:
             self._started()
@@ -217,8 +220,7 @@ class ForwardPart:
         last = False
         if not self._ready:
             self._ready = True
-            last = self._batch._not_ready == 1 and not self._batch._all_ready.is_set()
-            self._batch._arrive()
+            last = self._batch._arrive()
         await self._batch._all_ready.wait()
         if last and self._batch._parts > 1:
             await asyncio.sleep(0)

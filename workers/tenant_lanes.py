@@ -40,7 +40,6 @@ from lmqueue.shared.registry import ModelInfo
 from lmqueue.shared.settings import WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.tenants import TenantConfig, quota_fields
-from lmqueue.shared.wire import decode_request
 
 from .adapter_set import AdapterSet
 from .janitor import Janitor
@@ -269,7 +268,7 @@ class TenantLanes:
                 quota="max_inflight", limit=float(cap), admitted=0,
             )  # fmt: skip
             try:
-                request = decode_request(entry.fields)
+                request = entry.request()
                 validate_client_id(request.client_id)
             except (MalformedMessage, InvalidName) as exc:
                 refused.dead_letter(entry, MalformedMessage(str(exc)))

@@ -18,6 +18,9 @@ scheduler does the same in the places that talk to Redis on their own:
   long as this run left it, and only while this run holds the experiment (its run token), so a
   retry after a reply lost with the connection writes nothing twice, and a run whose lease ran
   out during the outage (another scheduler took the experiment over) writes nothing at all.
+  A Redis that came back without some writes it had acknowledged (``appendfsync everysec``)
+  refuses the next checkpoint too; with no other live run behind the refusal the job goes
+  back to arq's queue and the next run resumes from what Redis kept (`scheduler.run`).
 - the dispatcher's read loop already logs and retries (`scheduler.dispatcher`).
 """
 
@@ -98,6 +101,9 @@ class ResilientWorker(Worker):
         round trips that claim the job and gives it back only if they answer: a connection
         lost among them kept the slot for good, and after ``max_jobs`` such outages the process
         ran nothing. Here the one slot taken for the job being claimed is given back."""
+        # a job whose claim Redis lost (a restart) while this process runs it: claimed again,
+        # it would run twice here, and arq's bookkeeping, keyed by job id, fails the second
+        job_ids = [job for job in job_ids if not self._running_here(job.decode())]
         try:
             await super().start_jobs(job_ids)
         except REDIS_DOWN:
@@ -109,6 +115,10 @@ class ResilientWorker(Worker):
             # the process until it was said so
             self._give_slot_back()
             raise RedisConnectionError(f"claiming a job: {exc}") from exc
+
+    def _running_here(self, job_id: str) -> bool:
+        task = self.tasks.get(job_id)
+        return task is not None and not task.done()
 
     def _give_slot_back(self) -> None:
         self.job_counter -= 1

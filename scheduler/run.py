@@ -4,6 +4,12 @@
       ^  └──(at its limit: arq Retry, deferred)──┘      │
       └──────(scheduler stopped or killed: arq runs the job again, from the checkpoint)
 
+A run that meets `LostOwnership` (its checkpoint refused) steps aside only for another live
+run: when Redis came back without some of the writes it had acknowledged (an ``everysec``
+AOF, a snapshot) the record may still carry this run's token with fewer rows, or an earlier
+run's token with nobody behind it; the job then goes back to arq's queue (`Retry`) and the
+next run resumes from what Redis kept, instead of leaving the experiment running forever.
+
 While it runs, a watchdog renews the run's leases (the tenant slot, and arq's in-progress key,
 shortened to `lease_s` so that a killed process's job is retried seconds later instead of after
 the job timeout), writes progress, and cancels the kind's task when the tenant asks: the
@@ -50,6 +56,24 @@ _WATCH_S = 0.25
 _INTERRUPTED = """
 redis.call('HSET', KEYS[1], 'status', 'queued', 'waiting', 'interrupted; resumes')
 return redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+"""
+#: After a refused checkpoint: 0 if another run owns the experiment (its token, running, seen
+#: within the lease) or it has finished; else 1, having put it back to queued (no attempt
+#: spent: the refusal was Redis's loss, not the kind's).
+_STEP_ASIDE = """
+local record = KEYS[1]
+local status = redis.call('HGET', record, 'status')
+if status ~= 'running' and status ~= 'queued' then return 0 end
+if redis.call('HGET', record, 'run_token') == ARGV[1] then
+  if status == 'queued' then return 1 end
+elseif status == 'running' then
+  local seen = math.max(tonumber(redis.call('HGET', record, 'updated_ms')) or 0,
+                        tonumber(redis.call('HGET', record, 'started_ms')) or 0)
+  if tonumber(ARGV[2]) - seen < tonumber(ARGV[3]) then return 0 end
+end
+redis.call('HSET', record, 'status', 'queued', 'waiting', 'Redis lost writes of its run; resumes')
+redis.call('HINCRBY', record, 'attempts', -1)
+return 1
 """
 
 
@@ -125,14 +149,13 @@ class ExperimentRun:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if self.superseded and current is not None and not current.cancelling():
-                return {"status": "superseded"}
+                return await self._lost_ownership(context)
             if self.cancelled_by_tenant and current is not None and not current.cancelling():
                 return await self._finish("cancelled", context=context)
             await asyncio.shield(self._interrupted())
             raise  # arq runs the job again (retry_jobs)
         except LostOwnership:
-            logger.warning("experiment %s of %s: another run took it over", self.id, self.tenant)
-            return {"status": "superseded"}
+            return await self._lost_ownership(context)
         except Exception as exc:
             logger.info("experiment %s of %s failed: %r", self.id, self.tenant, exc)
             return await self._finish("failed", f"{type(exc).__name__}: {exc}", context)
@@ -140,6 +163,21 @@ class ExperimentRun:
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
         return await self._finish("complete", context=context)
+
+    async def _lost_ownership(self, context: ExperimentContext) -> dict[str, Any]:
+        """A checkpoint was refused: superseded if another live run owns the experiment;
+        otherwise Redis lost some of this run's acknowledged writes, and the job runs again
+        from what Redis kept (raises `Retry`)."""
+        args = [context.run_token, int(time.time() * 1000), self._lease_ms]
+        what = f"experiment {self.id}"
+        if not await retrying(lambda: self.redis.eval(_STEP_ASIDE, 1, self.record, *args), what):
+            logger.warning("experiment %s of %s: another run took it over", self.id, self.tenant)
+            return {"status": "superseded"}
+        logger.warning(
+            "experiment %s of %s: Redis lost writes of this run; it resumes from what Redis kept",
+            self.id, self.tenant,
+        )  # fmt: skip
+        raise Retry(defer=self.settings.limit_retry_s)
 
     @property
     def _lease_ms(self) -> int:
@@ -192,8 +230,10 @@ class ExperimentRun:
         """Renew leases, write progress, and cancel `task` when the tenant asks."""
         while not task.done():
             await asyncio.sleep(_WATCH_S)
-            try:  # renewed every tick: a lease survives a loop stalled for most of `lease_s`
-                await self.control.pexpire(arq_in_progress(self.job_id), self._lease_ms)
+            try:  # renewed every tick: a lease survives a loop stalled for most of `lease_s`;
+                # set, not only extended: a Redis back from a restart may have lost the claim
+                claim = arq_in_progress(self.job_id)
+                await self.control.set(claim, b"1", px=self._lease_ms)
                 await self.rt.limit.renew(*self.slot)
                 if await self.redis.hget(self.record, "cancel_requested") == b"1":
                     self.cancelled_by_tenant = True

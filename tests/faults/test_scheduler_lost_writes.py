@@ -92,10 +92,10 @@ def _back_from_snapshot(server: LocalRedis) -> None:
 
 
 async def _finished_once(url: str, exp_id: str, *schedulers: SchedulerProcess) -> None:
-    logs = "\n".join(s.log()[-3000:] for s in schedulers)
     async with Experiments.connect(url) as experiments:
         status = await experiments.wait(exp_id, 60)
         rows = await experiments.results(exp_id)
+    logs = "\n".join(s.log()[-3000:] for s in schedulers)
     assert status.status == "complete", (status, logs)
     assert [row["index"] for row in rows] == list(range(ROWS)), logs  # once each, in order
     assert "Traceback" not in logs, logs  # e.g. arq's, for one job run twice in one process

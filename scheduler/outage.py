@@ -116,6 +116,29 @@ class ResilientWorker(Worker):
             self._give_slot_back()
             raise RedisConnectionError(f"claiming a job: {exc}") from exc
 
+    async def close(self) -> None:
+        """arq's `close`, which a job task that ended cancelled no longer aborts.
+
+        A stop signal cancels the job tasks; one cancelled while arq writes its result (a
+        shielded write, slow when Redis has just restarted and closed the pool's connections)
+        ends with CancelledError, which arq's close re-raised from gathering the tasks: the
+        process exited 1 without its on_shutdown or closing its pool, after a clean stop.
+        """
+        while True:
+            try:
+                await super().close()
+                return
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # this close itself is being cancelled
+                cancelled = [job for job, task in self.tasks.items() if task.cancelled()]
+                if not cancelled:
+                    raise
+                for job in cancelled:
+                    del self.tasks[job]
+                logger.info("stopping: %d job(s) cancelled mid-write", len(cancelled))
+
     def _running_here(self, job_id: str) -> bool:
         task = self.tasks.get(job_id)
         return task is not None and not task.done()

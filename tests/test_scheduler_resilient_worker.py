@@ -178,3 +178,42 @@ async def test_a_connection_lost_while_a_claim_watches_its_key_is_an_outage_the_
     await worker._poll_iteration()  # ended the scheduler process with "unexpected WatchError"
     assert list(worker.tasks) == [job.job_id]
     await asyncio.gather(*worker.tasks.values())
+
+
+@pytest.mark.filterwarnings("ignore:Call to deprecated close:DeprecationWarning")  # arq's call
+async def test_a_job_cancelled_while_its_result_is_written_does_not_fail_the_close(
+    arq_pool: ArqRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's flake (stop 48): SIGTERM right after an experiment completed, its result write slow
+    on a Redis just restarted; arq's close raised the job task's CancelledError (exit 1)."""
+    returned = asyncio.Event()
+    shut_down: list[bool] = []
+
+    async def quick(ctx: dict[str, Any]) -> None:
+        returned.set()
+
+    async def on_shutdown(ctx: dict[str, Any]) -> None:
+        shut_down.append(True)
+
+    worker = ResilientWorker(
+        functions=[func(quick, name="quick")], redis_pool=arq_pool, queue_name="resilient-test",
+        handle_signals=False, on_shutdown=on_shutdown,
+    )  # fmt: skip
+    worker._pool = arq_pool
+    real_finish = worker.finish_job
+    writing = asyncio.Event()
+
+    async def slow_finish(*args: Any) -> None:
+        writing.set()
+        await asyncio.sleep(0.3)
+        await real_finish(*args)
+
+    monkeypatch.setattr(worker, "finish_job", slow_finish)
+    job = await arq_pool.enqueue_job("quick", _queue_name="resilient-test")
+    assert job is not None
+    await worker.start_jobs([job.job_id.encode()])
+    await asyncio.wait_for(writing.wait(), 5)
+    assert returned.is_set()
+    await worker.close()  # cancels the task inside arq's shielded write: raised CancelledError
+    assert shut_down == [True]  # arq's on_shutdown ran, and the pool was closed
+    assert worker._pool is None

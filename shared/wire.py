@@ -174,6 +174,17 @@ def deferred_payload(vector: Any, dtype: str) -> memoryview | DeferredPayload:
     return DeferredPayload(vector, dtype)
 
 
+def payload_size(payload: Any) -> int:
+    """The wire bytes of a payload, without making a deferred one's."""
+    if isinstance(payload, DeferredPayload):
+        if payload._bytes is not None:
+            return payload._bytes.nbytes
+        vector = payload.vector
+        count = vector.numel() if hasattr(vector, "numel") else vector.size
+        return int(count) * np.dtype(VECTOR_DTYPES[payload.dtype]).itemsize
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
+
+
 def payload_bytes(payload: Any) -> Any:
     """The bytes of a payload that may be deferred (anything else is returned as it is)."""
     return payload.view() if isinstance(payload, DeferredPayload) else payload

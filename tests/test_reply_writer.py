@@ -19,7 +19,7 @@ from lmqueue.shared.settings import RedisSettings, WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import MAX_PACKED, decode_packed, decode_reply
 from lmqueue.workers.outcome import Outcome
-from lmqueue.workers.reply_writer import ReplyWriter
+from lmqueue.workers.reply_writer import REPLY_PART_BYTES, ReplyWriter
 from lmqueue.workers.request_stream import RequestStream
 from lmqueue.workers.writer_thread import WriterThread
 
@@ -126,6 +126,14 @@ async def test_a_packing_clients_claims_and_errors_travel_in_one_entry(
     assert np.array_equal(ready["r:11"].vector(), VECTOR)
 
 
+async def _blocked_read(client: Any, reader: Any, key: str) -> asyncio.Task[Any]:
+    """`reader`'s XREAD of the entries added to `key` from now, once it is blocked on it."""
+    read = asyncio.create_task(reader.xread({key: "$"}, block=5000))
+    while not any(c.get("cmd") == "xread" for c in await client.client_list()):
+        await asyncio.sleep(0.01)
+    return read
+
+
 async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis_url: str) -> None:
     """A client's replies of one batch are one transaction: its reader, blocked on its
     stream, gets all of them in one read (in a plain pipeline it woke after the first)."""
@@ -140,9 +148,7 @@ async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis
         for n in range(4):
             outcome.result("client-c", f"r:{n}", VECTOR.data.cast("B"), "float32", cached=True)
         outcome.result("client-d", "r:9", VECTOR.data.cast("B"), "float32", cached=True)
-        read = asyncio.create_task(reader.xread({key: "$"}, block=5000))
-        while not any(c.get("cmd") == "xread" for c in await client.client_list()):
-            await asyncio.sleep(0.01)  # the reader is blocked on the stream
+        read = await _blocked_read(client, reader, key)
         await writer.flush(outcome)
         got = await read
         written = await client.xlen(key)
@@ -153,6 +159,64 @@ async def test_a_blocked_reader_wakes_once_with_all_of_its_clients_replies(redis
     assert written == 4
     read_ids = [decode_reply(fields).request_id for _, fields in got[0][1]]
     assert read_ids == [f"r:{n}" for n in range(4)]
+
+
+async def test_a_large_batch_is_written_in_parts_the_client_reads_the_first_meanwhile(
+    redis_url: str,
+) -> None:
+    """30 fresh float32 results (5.9 MB): a blocked reader wakes with the first part's
+    claim-checks (about `REPLY_PART_BYTES`), before the rest is written; every entry is
+    acknowledged once all are written."""
+    client, reader = async_redis(redis_url), async_redis(redis_url)
+    thread = WriterThread()
+    key = KEYS.replies("client-e")
+    try:
+        stream = RequestStream(client, KEYS.requests("mock"), "w")
+        cache = SharedCache(client, KEYS, "mock", "r1")
+        writer = ReplyWriter(client, stream, KEYS, _settings(redis_url), cache, thread=thread)
+        entries = await _pending_entries(client, stream, 30)
+        outcome = Outcome(acks=[entry.entry_id for entry in entries])
+        for n in range(30):
+            payload = (VECTOR + n).data.cast("B")
+            cache_key = cache.key("float32", b"part %d" % n)
+            outcome.cache_puts.append((cache_key, payload))
+            outcome.claimable_result("client-e", f"r:{n}", payload, "float32", cache_key)
+        read = await _blocked_read(client, reader, key)
+        await writer.flush(outcome)
+        got = await read
+        rows = await client.xrange(key)
+        pending = (await client.xpending(stream.stream, "workers"))["pending"]
+        stored = await client.mget([cache.key("float32", b"part %d" % n) for n in range(30)])
+    finally:
+        await thread.aclose()
+        await client.aclose()
+        await reader.aclose()
+    first = [decode_reply(fields).request_id for _, fields in got[0][1]]
+    per_part = -(-REPLY_PART_BYTES // VECTOR.nbytes)  # results until the budget is reached
+    assert first == [f"r:{n}" for n in range(per_part)]  # the first part alone
+    replies = [decode_reply(fields) for _, fields in rows]
+    assert [r.request_id for r in replies] == [f"r:{n}" for n in range(30)]
+    assert all(r.claim for r in replies) and pending == 0
+    assert all(np.array_equal(np.frombuffer(v, "<f4"), VECTOR + n) for n, v in enumerate(stored))
+
+
+def test_a_leading_part_keeps_the_results_of_one_key_together() -> None:
+    payload = VECTOR.data.cast("B")  # 196,608 bytes
+    outcome = Outcome()
+    for n, key in enumerate(["k0", "k1", "k0", "k2", "k3"]):  # r:2 shares r:0's prompt
+        if key not in dict(outcome.cache_puts):
+            outcome.cache_puts.append((key, payload))
+        outcome.claimable_result("c", f"r:{n}", payload, "float32", key)
+    assert outcome.leading_part(4 * VECTOR.nbytes) is None  # all of it: no part
+    part = outcome.leading_part(2 * VECTOR.nbytes)
+    assert part is not None
+    assert [i.request_id for i in part.claimable] == ["r:0", "r:1", "r:2"]
+    assert [key for key, _ in part.cache_puts] == ["k0", "k1"]
+    outcome.drop({"k0", "k1"})
+    assert [i.request_id for i in outcome.claimable] == ["r:3", "r:4"]
+    assert [key for key, _ in outcome.cache_puts] == ["k2", "k3"]
+    assert outcome.outcomes["ok"] == 5  # the batch's metrics still count every result
+    assert outcome.leading_part(2 * VECTOR.nbytes) is None
 
 
 @pytest.mark.cluster

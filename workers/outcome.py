@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from lmqueue.shared.wire import (
     encode_packed,
     encode_result,
     packable,
+    payload_size,
 )
 
 from .request_stream import Entry
@@ -105,6 +107,34 @@ class Outcome:
             (client_id, _packed(fields) if isinstance(fields, list) else fields)
             for client_id, fields in entries
         ]
+
+    def leading_part(self, budget: int) -> Outcome | None:
+        """The first claimable results, about `budget` bytes of them, with their cache entries
+        (every claimable sharing their keys), if more remain after them; else None.
+
+        The writer writes a large batch's fresh results in such parts, acknowledging nothing
+        until the last (`ReplyWriter`): a client reads the first part while the rest is written.
+        """
+        keys: set[str] = set()
+        size = 0
+        for item in self.claimable:
+            if size >= budget:
+                break
+            if item.key not in keys:
+                keys.add(item.key)
+                size += payload_size(item.payload)
+        if len(keys) == len({item.key for item in self.claimable}):
+            return None  # all of them: nothing would be left for a later part
+        part = Outcome(packing=self.packing)
+        part.claimable = [item for item in self.claimable if item.key in keys]
+        part.cache_puts = [put for put in self.cache_puts if put[0] in keys]
+        return part
+
+    def drop(self, keys: Container[str]) -> None:
+        """Forget the results and cache entries of these keys: a written `leading_part`'s
+        (still counted in `outcomes`: the metrics count the whole batch once it is written)."""
+        self.claimable = [item for item in self.claimable if item.key not in keys]
+        self.cache_puts = [put for put in self.cache_puts if put[0] not in keys]
 
     def merge(self, other: Outcome) -> None:
         """Append everything of `other`."""

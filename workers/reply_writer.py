@@ -13,6 +13,10 @@ each fresh result travels, writes everything, and only then acknowledges:
   more request; claim-checks then pause for a minute rather than repeat it.
 - Everything else (replies, dead letters, acks) is written in one pipeline, retried while
   Redis is down; entries stay pending if it never comes back, for a janitor to reclaim.
+- A large batch's fresh results are written in parts of about `REPLY_PART_BYTES` (cache
+  entries, then their claim-checks, part after part; the acks with the last): a lock-step
+  program's client reads and converts the first part while the writer writes the next, where
+  it waited for all of a step's rows (a GPU worker's batch of 64 rows is 12.6 MB of float32).
 - On a Redis Cluster a pipeline's commands go to their keys' nodes concurrently, so order
   holds only per node: cache entries are written first (as for a separate cache instance),
   and acknowledgements after the replies, in a pipeline of their own.
@@ -59,6 +63,10 @@ __all__ = ["ReplyWriter"]
 logger = logging.getLogger(__name__)
 
 _CLAIM_PAUSE_S = 60
+#: A batch's fresh results are written in parts of about this many bytes: a client reads
+#: (claims) the first while the writer writes the next, instead of waiting for all of them:
+#: a 64-row step of a 49,152-token vocabulary is 12.6 MB of float32 (BENCHMARKS.md, model).
+REPLY_PART_BYTES = 4 << 20
 #: Reply stream names kept (one per client recently answered); cleared when full.
 _REPLY_KEYS_KEPT = 4096
 
@@ -169,8 +177,25 @@ class ReplyWriter:
         reply_keys: dict[str, str],
         routes: dict[str, Target],
     ) -> None:
-        """On the writer thread: cache entries apart first, then the rest, acks last."""
+        """On the writer thread: a large batch's fresh results in parts of about
+        `REPLY_PART_BYTES` (`Outcome.leading_part`), each written whole (its cache entries,
+        then its claim-checks); then the rest, and the acks last. A written part is dropped
+        from `outcome`, so a retry after an outage writes only what is left."""
         serial_torch_here()  # deferred payloads convert here, one op each
+        while (part := outcome.leading_part(REPLY_PART_BYTES)) is not None:
+            keys = {item.key for item in part.claimable}  # (writing settles them: gone then)
+            self._write_part(thread, part, reply_keys, routes)
+            outcome.drop(keys)
+        self._write_part(thread, outcome, reply_keys, routes)
+
+    def _write_part(
+        self,
+        thread: WriterThread,
+        outcome: Outcome,
+        reply_keys: dict[str, str],
+        routes: dict[str, Target],
+    ) -> None:
+        """Cache entries apart first, then the rest, acks last."""
         ttl_s = self.settings.cache_ttl_s
         if outcome.cache_puts and self._apart:
             self._settle_claims(outcome, put_routed(thread, outcome.cache_puts, routes, ttl_s))

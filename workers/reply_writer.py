@@ -13,8 +13,9 @@ each fresh result travels, writes everything, and only then acknowledges:
   more request; claim-checks then pause for a minute rather than repeat it.
 - Everything else (replies, dead letters, acks) is written in one pipeline, retried while
   Redis is down; entries stay pending if it never comes back, for a janitor to reclaim.
-- A large batch's fresh results are written in parts of about `REPLY_PART_BYTES` (cache
-  entries, then their claim-checks, part after part; the acks with the last): a lock-step
+- On the writer thread, a large batch's fresh results are written in parts of about
+  `REPLY_PART_BYTES` (cache entries, then their claim-checks, part after part; the acks with
+  the last; redis-py's path, over TLS, writes a batch whole): a lock-step
   program's client reads and converts the first part while the writer writes the next, where
   it waited for all of a step's rows (a GPU worker's batch of 64 rows is 12.6 MB of float32).
 - On a Redis Cluster a pipeline's commands go to their keys' nodes concurrently, so order

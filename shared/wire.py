@@ -67,6 +67,7 @@ __all__ = [
     "DeferredPayload",
     "deferred_payload",
     "payload_bytes",
+    "payload_size",
     "bytes_to_vector",
     "check_payload",
     "cast_in_chunks",

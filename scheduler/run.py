@@ -63,10 +63,9 @@ return redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 _STEP_ASIDE = """
 local record = KEYS[1]
 local status = redis.call('HGET', record, 'status')
-if status ~= 'running' and status ~= 'queued' then return 0 end
-if redis.call('HGET', record, 'run_token') == ARGV[1] then
-  if status == 'queued' then return 1 end
-elseif status == 'running' then
+if status == 'queued' then return 1 end  -- put back already: its attempt given back
+if status ~= 'running' then return 0 end
+if redis.call('HGET', record, 'run_token') ~= ARGV[1] then
   local seen = math.max(tonumber(redis.call('HGET', record, 'updated_ms')) or 0,
                         tonumber(redis.call('HGET', record, 'started_ms')) or 0)
   if tonumber(ARGV[2]) - seen < tonumber(ARGV[3]) then return 0 end

@@ -151,6 +151,15 @@ class DeferredPayload:
         self.dtype = dtype
         self._bytes: memoryview | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """The wire bytes' length, without making them."""
+        if self._bytes is not None:
+            return self._bytes.nbytes
+        vector = self.vector
+        count = vector.numel() if hasattr(vector, "numel") else vector.size
+        return int(count) * np.dtype(VECTOR_DTYPES[self.dtype]).itemsize
+
     def view(self) -> memoryview:
         """The wire bytes (made on the first call)."""
         if self._bytes is None:
@@ -177,13 +186,7 @@ def deferred_payload(vector: Any, dtype: str) -> memoryview | DeferredPayload:
 
 def payload_size(payload: Any) -> int:
     """The wire bytes of a payload, without making a deferred one's."""
-    if isinstance(payload, DeferredPayload):
-        if payload._bytes is not None:
-            return payload._bytes.nbytes
-        vector = payload.vector
-        count = vector.numel() if hasattr(vector, "numel") else vector.size
-        return int(count) * np.dtype(VECTOR_DTYPES[payload.dtype]).itemsize
-    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
+    return payload.nbytes if isinstance(payload, memoryview | DeferredPayload) else len(payload)
 
 
 def payload_bytes(payload: Any) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,15 @@ class Outcome:
             (client_id, _packed(fields) if isinstance(fields, list) else fields)
             for client_id, fields in entries
         ]
+
+    def in_parts(self, budget: int) -> Iterator[Outcome]:
+        """Its `leading_part`s, then itself with what is left. A part is dropped once the
+        caller asks for the next, after writing it: one whose writing failed stays."""
+        while (part := self.leading_part(budget)) is not None:
+            keys = {item.key for item in part.claimable}  # (writing a part settles them)
+            yield part
+            self.drop(keys)
+        yield self
 
     def leading_part(self, budget: int) -> Outcome | None:
         """The first claimable results, about `budget` bytes of them, with their cache entries

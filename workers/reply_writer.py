@@ -179,40 +179,27 @@ class ReplyWriter:
         routes: dict[str, Target],
     ) -> None:
         """On the writer thread: a large batch's fresh results in parts of about
-        `REPLY_PART_BYTES` (`Outcome.leading_part`), each written whole (its cache entries,
-        then its claim-checks); then the rest, and the acks last. A written part is dropped
+        `REPLY_PART_BYTES` (`Outcome.in_parts`), then the rest; in each, cache entries apart
+        first, then the replies, acks last (only the rest has any). A written part is dropped
         from `outcome`, so a retry after an outage writes only what is left."""
         serial_torch_here()  # deferred payloads convert here, one op each
-        while (part := outcome.leading_part(REPLY_PART_BYTES)) is not None:
-            keys = {item.key for item in part.claimable}  # (writing settles them: gone then)
-            self._write_part(thread, part, reply_keys, routes)
-            outcome.drop(keys)
-        self._write_part(thread, outcome, reply_keys, routes)
-
-    def _write_part(
-        self,
-        thread: WriterThread,
-        outcome: Outcome,
-        reply_keys: dict[str, str],
-        routes: dict[str, Target],
-    ) -> None:
-        """Cache entries apart first, then the rest, acks last."""
         ttl_s = self.settings.cache_ttl_s
-        if outcome.cache_puts and self._apart:
-            self._settle_claims(outcome, put_routed(thread, outcome.cache_puts, routes, ttl_s))
-            outcome.cache_puts = []
-        puts = outcome.cache_puts
-        self._settle_claims(outcome, {key for key, _ in puts} if self._claims_allowed() else ())
-        commands = routed_sets(puts, routes, ttl_s)
-        commands += reply_commands(outcome, reply_keys, routes, self.settings, self._dead_stream)
-        acks = self._ack_commands(outcome, routes[self.stream.stream])
-        if not self._cluster:  # one instance: in the same pipeline, after the replies
-            commands, acks = commands + acks, []
-        self._check_written(execute_routed(thread, commands), len(puts))
-        if acks:  # a cluster: only once every reply is written, on any node
-            for result in execute_routed(thread, acks):
-                if isinstance(result, Exception):
-                    raise result
+        for part in outcome.in_parts(REPLY_PART_BYTES):
+            if part.cache_puts and self._apart:
+                self._settle_claims(part, put_routed(thread, part.cache_puts, routes, ttl_s))
+                part.cache_puts = []
+            puts = part.cache_puts
+            self._settle_claims(part, {key for key, _ in puts} if self._claims_allowed() else ())
+            commands = routed_sets(puts, routes, ttl_s)
+            commands += reply_commands(part, reply_keys, routes, self.settings, self._dead_stream)
+            acks = self._ack_commands(part, routes[self.stream.stream])
+            if not self._cluster:  # one instance: in the same pipeline, after the replies
+                commands, acks = commands + acks, []
+            self._check_written(execute_routed(thread, commands), len(puts))
+            if acks:  # a cluster: only once every reply is written, on any node
+                for result in execute_routed(thread, acks):
+                    if isinstance(result, Exception):
+                        raise result
 
     def _ack_commands(self, outcome: Outcome, target: Target) -> list[Routed]:
         stream = self.stream

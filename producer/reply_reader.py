@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.backoff import Backoff
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Unavailable
@@ -222,6 +223,7 @@ class ReplyReader:
 
     async def _take(self, batch: ReplyBatch) -> None:
         """Settle a read's replies; resolve its claim-checks (unless the thread did)."""
+        stage_trace.mark("replies", batch.read)
         self.replies_read += batch.read
         for entry_id, exc in batch.malformed:
             request_id = exc.data.get("request_id")
@@ -238,6 +240,7 @@ class ReplyReader:
         claimed = [r for r in batch.claims if self._waiting(r)]
         if claimed:
             await self._resolve_claims(claimed)
+        stage_trace.mark("settled")
 
     def _waiting(self, reply: Reply) -> bool:
         """Whether a claim-check's request still waits (else it is a duplicate)."""

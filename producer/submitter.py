@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.backoff import Backoff
 from lmqueue.shared.connections import bounded
 from lmqueue.shared.errors import Busy, LMQueueError, QuotaExceeded, Unavailable
@@ -136,6 +137,7 @@ class Submitter:
 
     async def _enqueue(self, admission: Admission, misses: list[Pending]) -> None:
         """Add `misses` to one stream; fail those a bound or quota refused."""
+        stage_trace.mark("submit", len(misses))
         envelopes = [encode_request(p.request)["m"] for p in misses]
         tokens = [p.prompt.token_count for p in misses]
         try:
@@ -147,6 +149,7 @@ class Submitter:
             self.sent += admitted
             return
         self.sent += len(misses)
+        stage_trace.mark("submitted")
 
     async def _answer_from_cache(self, batch: list[Pending]) -> list[Pending]:
         """Resolve requests whose log-probabilities the shared cache holds; return the rest."""

@@ -297,6 +297,9 @@ class WorkerSettings:
     adapters: dict[str, str] = field(default_factory=dict)
     #: Address they listen on: loopback unless set (containers: 0.0.0.0, for the kubelet).
     metrics_host: str = "127.0.0.1"
+    #: A diagnostic: record stage marks (forwards, picks, writes) in this directory
+    #: (`shared.stage_trace`; "": none).
+    stage_trace_dir: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -153,10 +153,16 @@ def test_fairness_benchmark_reports_every_run_its_tail_and_the_worst_beside_the_
         "--warmup-s 0.3 --measure-s 1.5 --flood-inflight 200 --weighted-inflight 50 "
         "--light-inflight 8 --repeats 2 --docs-plot="
     )
-    argv = ["fairness", *flags.split(), "--out-dir", str(tmp_path)]
+    trace = tmp_path / "trace"
+    argv = ["fairness", *flags.split(), "--out-dir", str(tmp_path), "--trace-dir", str(trace)]
     assert bench_main(argv) == 0
     result = _result(tmp_path, "fairness")
     for run in ("run1", "run2"):
+        (worker,) = trace.joinpath(run).glob("worker-*.txt")  # B's round trip, stage by stage
+        round_trip = result["figures"][f"{run}.round_trip.{worker.stem}"]
+        assert round_trip["forward_start"]["n"] > 0
+        assert 0 < round_trip["written"]["p50"] < round_trip["forward_start"]["p50"]
+        assert round_trip["client.replies"]["n"] > 0 and round_trip["read"]["n"] > 0
         for scheme in ("fair_share", "fifo"):
             figures = result["figures"][f"{run}.{scheme}"]
             alone, under = figures["light_alone"], figures["light_under_flood"]

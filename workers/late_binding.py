@@ -22,6 +22,8 @@ import contextlib
 import time
 from collections.abc import Callable
 
+from lmqueue.shared import stage_trace
+
 __all__ = ["BackendOccupancy", "BatchForward", "ForwardPart"]
 
 
@@ -187,6 +189,7 @@ class BatchForward:
         # The waiting parts are woken before whatever `started` wakes, so they call the
         # backend first; the last part to arrive follows them (`ForwardPart.ready`).
         self._all_ready.set()
+        stage_trace.mark("forward_start")
         if self._started is not None:
             self._started()
 
@@ -194,6 +197,7 @@ class BatchForward:
         self._not_computed -= 1
         if self._not_computed:
             return
+        stage_trace.mark("forward_end")
         if self._computed is not None:
             self._computed()
         if self._timed is not None and self._calls and self._called_at:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.adapters import parse_adapter_spec
 from lmqueue.shared.errors import InvalidName, SettingsError
 from lmqueue.shared.failures import ArgumentParser, configure_logging, report_failure
@@ -113,12 +114,17 @@ def settings_from_args(
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
     """Load the backend, serve until `stop` (or SIGTERM/SIGINT), then release everything."""
     stop = stop or asyncio.Event()
+    if settings.stage_trace_dir:
+        stage_trace.start(settings.stage_trace_dir, "worker")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics, health = WorkerMetrics(settings.model), health_state(settings)
-    async with _probes(settings, metrics, health):  # answering while the model loads
-        await _serve(settings, stop, metrics, health)
+    try:
+        async with _probes(settings, metrics, health):  # answering while the model loads
+            await _serve(settings, stop, metrics, health)
+    finally:
+        stage_trace.stop()
 
 
 @contextlib.asynccontextmanager

@@ -36,6 +36,7 @@ import time
 from collections.abc import Container
 from typing import Any
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.connections import bounded, execute_pipeline, is_cluster
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.redis_errors import REDIS_DOWN
@@ -182,6 +183,7 @@ class ReplyWriter:
         `REPLY_PART_BYTES` (`Outcome.in_parts`), then the rest; in each, cache entries apart
         first, then the replies, acks last (only the rest has any). A written part is dropped
         from `outcome`, so a retry after an outage writes only what is left."""
+        stage_trace.mark("writer_start", len(outcome.acks))
         serial_torch_here()  # deferred payloads convert here, one op each
         ttl_s = self.settings.cache_ttl_s
         for part in outcome.in_parts(REPLY_PART_BYTES):
@@ -200,6 +202,7 @@ class ReplyWriter:
                 for result in execute_routed(thread, acks):
                     if isinstance(result, Exception):
                         raise result
+        stage_trace.mark("writer_done")
 
     def _ack_commands(self, outcome: Outcome, target: Target) -> list[Routed]:
         stream = self.stream

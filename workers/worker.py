@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.connections import bounded
 from lmqueue.shared.errors import MalformedMessage
@@ -327,6 +328,8 @@ class Worker:
             calls[pick.tenant] = (n + 1, cost + pick.charged)
         for tenant, (n, cost) in calls.items():
             self.returning.sent(tenant, n, cost, self.scheduler.backlog(tenant))
+        if stage_trace.enabled():
+            stage_trace.mark("pick", _tenant_counts((t, n) for t, (n, _) in calls.items()))
         started, self._next_forward = self._next_forward, asyncio.Event()
         release = self.occupancy.hold()
         task = asyncio.create_task(self._handle(picks, computed=release, started=started.set))
@@ -377,6 +380,9 @@ class Worker:
                 self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
                 with contextlib.suppress(MalformedMessage):  # answered when it is picked
                     entry.request()  # decoded as read, mostly during a forward (`Entry.request`)
+        if stage_trace.enabled():
+            queued = ((lane.tenant, self.scheduler.backlog(lane.tenant)) for lane in self.lanes)
+            stage_trace.mark("read", _tenant_counts(queued))
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(
@@ -451,7 +457,9 @@ class Worker:
             self.scheduler.adjust(lane.tenant, cost - charged)
             if first is not None and not awaited:
                 await first.wait(self.settings.redis.stall_timeout_s)
+            stage_trace.mark("write_start", lane.tenant)
             await lane.writer.flush(outcome)
+            stage_trace.mark("written", lane.tenant)
         finally:  # replied, or never will be: either way its wait for the tenant may start
             self.returning.replied(lane.tenant)
             if first is not None and awaited:
@@ -491,6 +499,11 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
+
+
+def _tenant_counts(counts: Iterable[tuple[str, int]]) -> str:
+    """``tenant:count,...`` of the non-zero counts, as a stage mark's detail."""
+    return ",".join(f"{tenant}:{n}" for tenant, n in counts if n) or "-"
 
 
 def _estimated_tokens(entry: Entry) -> int:

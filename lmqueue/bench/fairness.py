@@ -43,6 +43,7 @@ from typing import Any
 import redis
 
 from lmqueue.producer import QueueLM
+from lmqueue.shared import stage_trace
 from lmqueue.shared.heap_freeze import freeze_heap
 from lmqueue.shared.tenants import TenantConfig
 from lmqueue.tenant_admin import TenantAdmin
@@ -55,6 +56,7 @@ from .lib.load import distinct_prompt
 from .lib.loop_process import LoopProcess
 from .lib.report import DEFAULT_OUT_DIR, Report
 from .lib.stack import connect_client, redis_server, wait_for_workers, worker_pool
+from .lib.stage_report import idle_gaps, read_marks, report_lines, round_trips, spread_of
 from .lib.tails import GcPauses, histogram_line, latency_figures, load_avg, spread, spread_lines
 
 __all__ = ["add_arguments", "mock_costs", "run", "plot"]
@@ -91,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     add_real_model_arguments(parser)
     parser.add_argument("--docs-plot", default="docs/fairness.png", help="'' for nowhere")
+    parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="record stage marks of the worker and B's client here (one folder a run) and "
+        "print B's round trip stage by stage (`stage_report`)",
+    )
 
 
 def mock_costs(args: argparse.Namespace) -> tuple[float, float]:
@@ -138,6 +147,7 @@ async def _flood_and_light(
     a_done = await flood.stop()
     a_alone_per_s = _count(a_done, *a_alone) / (a_alone[1] - a_alone[0])
     under_s = b.between(start, end)
+    both_window = (start, end)
     both_per_s = (_count(a_done, start, end) + len(under_s)) / (end - start)
     alone, under = latency_figures(alone_s), latency_figures(under_s)
     return {
@@ -151,6 +161,7 @@ async def _flood_and_light(
         "tokens_per_s_flood_alone": round(a_alone_per_s * PROMPT_TOKENS, 1),
         "tokens_per_s_flood_and_light": round(both_per_s * PROMPT_TOKENS, 1),
         "throughput_ratio": round(both_per_s / a_alone_per_s, 3) if a_alone_per_s else 0.0,
+        "flood_and_light_window_s": both_window,
     }
 
 
@@ -176,6 +187,11 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
     batch_delay_s, token_delay_s = mock_costs(args)
     opts = {"distinct_vectors": 64, "batch_delay_s": batch_delay_s, "token_delay_s": token_delay_s}
     env = {"LMQ_CACHE_WRITES": "0", "LMQ_BATCH_SIZE": str(args.batch_size)}
+    trace_dir = args.trace_dir / (prefix.rstrip(".") or "run1") if args.trace_dir else None
+    own_marks = None
+    if trace_dir is not None:
+        env["LMQ_STAGE_TRACE_DIR"] = str(trace_dir)
+        own_marks = stage_trace.start(trace_dir, "bench")  # B's client is this process's
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(redis_server())
         admin = redis.Redis.from_url(server.url)
@@ -210,7 +226,24 @@ async def _run(args: argparse.Namespace, report: Report, prefix: str) -> dict[st
                           f"1 : {weighted['ratio_2_over_1']:.2f}")  # fmt: skip
         finally:
             await asyncio.gather(*(lm.close() for lm in clients.values()))
+            stage_trace.stop()
+    if trace_dir is not None and own_marks is not None:  # the workers stopped: marks written
+        _report_round_trip(report, prefix, trace_dir, own_marks, fair["flood_and_light_window_s"])
     return {"fair": fair, "fifo": fifo, "weights": weighted, "load_avg": load_avg()}
+
+
+def _report_round_trip(
+    report: Report, prefix: str, trace_dir: Path, own: Path, window: tuple[float, float]
+) -> None:
+    """B's round trip under the flood, stage by stage, from each worker's marks."""
+    client = read_marks(own)
+    for path in sorted(trace_dir.glob("worker-*.txt")):
+        worker = read_marks(path)
+        stages = round_trips(worker, client, "b", *window)
+        lines = report_lines(stages, idle_gaps(worker, *window), "B")
+        figures = {stage: spread_of(values) for stage, values in stages.items()}
+        report.figure(f"{prefix}round_trip.{path.stem}", figures,
+                      line=f"{path.stem}: " + "\n".join(lines))  # fmt: skip
 
 
 async def _first_calls(clients: dict[str, QueueLM], report: Report, prefix: str) -> None:

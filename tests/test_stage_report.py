@@ -54,7 +54,8 @@ def test_a_round_trip_is_measured_from_the_end_of_each_forward_holding_the_tenan
     stages = round_trips(worker, client, "b", 0.0, _ms(250))
     expected = {"write_start": 1.0, "writer_start": 1.2, "writer_done": 3.0, "written": 3.5,
                 "client.replies": 4.0, "client.settled": 4.2, "client.submit": 4.5,
-                "client.submitted": 4.9, "read": 6.0, "pick": 6.5, "forward_start": 7.0}  # fmt: skip
+                "client.submitted": 4.9, "read": 6.0, "pick": 6.5,
+                "forward_start": 7.0}  # fmt: skip
     # the second forward held B's calls too, but nothing of B's came after it
     assert {stage: values[0] for stage, values in stages.items()} == pytest.approx(expected)
     assert stages["forward_start"] == pytest.approx([7.0, 3.0])

@@ -54,8 +54,9 @@ def start(directory: str | Path, role: str) -> Path:
     global _path
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    _path = folder / f"{role}-{os.getpid()}.txt"
+    atexit.unregister(stop)  # one registration, however many recordings a process starts
     atexit.register(stop)
+    _path = folder / f"{role}-{os.getpid()}.txt"
     return _path
 
 

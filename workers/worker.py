@@ -381,8 +381,10 @@ class Worker:
                 with contextlib.suppress(MalformedMessage):  # answered when it is picked
                     entry.request()  # decoded as read, mostly during a forward (`Entry.request`)
         if stage_trace.enabled():
-            queued = ((lane.tenant, self.scheduler.backlog(lane.tenant)) for lane in self.lanes)
-            stage_trace.mark("read", _tenant_counts(queued))
+            tenants = {lane.tenant for lane in self.lanes}  # a tenant's partitions: one count
+            stage_trace.mark(
+                "read", _tenant_counts((t, self.scheduler.backlog(t)) for t in tenants)
+            )
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(

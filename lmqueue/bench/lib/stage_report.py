@@ -9,9 +9,10 @@ backend's idle that the tenant's round trip cost. Beside it, every gap between f
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 from pathlib import Path
+
+from .load import percentile
 
 __all__ = [
     "Mark", "ROUND_TRIP_STAGES", "read_marks", "round_trips", "idle_gaps", "report_lines",
@@ -108,19 +109,13 @@ def spread_of(values: list[float]) -> dict[str, float]:
     """p10, p50 and p90 of `values` (ms) and their count, for a report's JSON."""
     if not values:
         return {"n": 0}
-    deciles = statistics.quantiles(values, n=10) if len(values) > 1 else [values[0]] * 9
-    median = statistics.median(values)
-    return {"n": len(values), "p10": round(deciles[0], 3), "p50": round(median, 3),
-            "p90": round(deciles[-1], 3)}  # fmt: skip
+    return {"n": len(values), **{f"p{q}": round(percentile(values, q), 3) for q in (10, 50, 90)}}
 
 
 def _quantiles(values: list[float]) -> str:
-    if not values:
+    figures = spread_of(values)
+    if not figures["n"]:
         return "-"
-    if len(values) == 1:
-        return f"{values[0]:.2f} (n=1)"
-    deciles = statistics.quantiles(values, n=10)
     return (
-        f"{deciles[0]:6.2f} / {statistics.median(values):6.2f} / {deciles[-1]:6.2f}"
-        f" (n={len(values)})"
+        f"{figures['p10']:6.2f} / {figures['p50']:6.2f} / {figures['p90']:6.2f} (n={len(values)})"
     )

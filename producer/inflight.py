@@ -210,5 +210,8 @@ class InflightTable:
             # a writable value is the first waiter's to take over; the others get copies
             waiter.set_result(value.copy() if handed and value.flags.writeable else value)
             handed = True
+        # A settled request may linger in the deadline queue for a while; its results must not
+        # (2,000 in flight kept ~2,000 finished vectors alive, fresh pages for every reply).
+        pending.waiters.clear()
         if self.on_settled is not None:
             self.on_settled()

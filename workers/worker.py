@@ -381,10 +381,8 @@ class Worker:
                 with contextlib.suppress(MalformedMessage):  # answered when it is picked
                     entry.request()  # decoded as read, mostly during a forward (`Entry.request`)
         if stage_trace.enabled():
-            tenants = {lane.tenant for lane in self.lanes}  # a tenant's partitions: one count
-            stage_trace.mark(
-                "read", _tenant_counts((t, self.scheduler.backlog(t)) for t in tenants)
-            )
+            queued = ((t, self.scheduler.backlog(t)) for t in self.lanes.tenants())
+            stage_trace.mark("read", _tenant_counts(queued))
 
     # -- answering -------------------------------------------------------------------------------
     async def _handle(

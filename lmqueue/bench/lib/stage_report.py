@@ -117,5 +117,5 @@ def _quantiles(values: list[float]) -> str:
     if not figures["n"]:
         return "-"
     return (
-        f"{figures['p10']:6.2f} / {figures['p50']:6.2f} / {figures['p90']:6.2f} (n={len(values)})"
+        f"{figures['p10']:6.2f} / {figures['p50']:6.2f} / {figures['p90']:6.2f} (n={figures['n']})"
     )

@@ -20,7 +20,13 @@ from lmqueue.shared.tenants import TenantConfig
 from lmqueue.shared.wire import Request, encode_request
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
-from lmqueue.workers.late_binding import PICK_LEAD, BackendOccupancy, BatchForward, ForwardPart
+from lmqueue.workers.late_binding import (
+    PICK_LEAD,
+    BackendOccupancy,
+    BatchForward,
+    ForwardPart,
+    ForwardStart,
+)
 from workers_in_threads import ThreadedWorker
 
 MODEL = "mock"
@@ -195,3 +201,45 @@ async def test_the_parts_of_a_batch_call_the_backend_in_the_order_they_arrived()
 
     await asyncio.gather(*(call(i, forward.part()) for i in range(3)))
     assert calls == [0, 1, 2]  # the last to arrive does not run ahead of the others
+
+
+def test_a_held_batch_is_told_when_it_gets_its_place_at_the_backend() -> None:
+    placed: list[str] = []
+    slot = BackendOccupancy()
+    first = slot.hold(placed=lambda: placed.append("first"))
+    assert placed == ["first"]  # the backend was free
+    second = slot.hold(placed=lambda: placed.append("second"))
+    third = slot.hold(placed=lambda: placed.append("third"))
+    assert placed == ["first"]  # both wait behind the first
+    third()  # released before its place (a batch of cache hits): never placed
+    first()
+    assert placed == ["first", "second"]
+    second()
+    assert placed == ["first", "second"]
+
+
+async def test_a_forward_starts_when_its_parts_are_released_and_it_has_its_place() -> None:
+    """A batch whose parts call the backend while the forward ahead runs is timed from when
+    that forward ended, not from its call."""
+    took: list[float] = []
+    now = [10.0]
+    slot = BackendOccupancy(clock=lambda: now[0])
+    ahead = slot.hold()
+    start = ForwardStart(clock=lambda: now[0])
+    slot.hold(placed=start.placed)
+    forward = BatchForward(1, timed=took.append, clock=lambda: now[0], start=start)
+    part = forward.part()
+    await part.ready()  # released at 10.0, while the batch ahead runs
+    assert start.at is None
+    now[0] = 10.4
+    ahead()  # the forward ahead ends: this one has the backend from now
+    assert start.at == 10.4
+    now[0] = 10.9
+    part.computed()
+    assert took == [pytest.approx(0.5)]
+    early = ForwardStart(clock=lambda: now[0])
+    early.placed()  # the backend was free before the parts were ready
+    forward = BatchForward(1, timed=took.append, clock=lambda: now[0], start=early)
+    now[0] = 11.0
+    await forward.part().ready()
+    assert early.at == 11.0

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from lmqueue.shared import stage_trace
 
-__all__ = ["BackendOccupancy", "BatchForward", "ForwardPart"]
+__all__ = ["BackendOccupancy", "BatchForward", "ForwardPart", "ForwardStart"]
 
 
 #: How far ahead of a forward's expected end the next batch is picked, as a fraction of the
@@ -61,6 +61,8 @@ class BackendOccupancy:
         self._running: dict[int, float] = {}
         #: ... and the held batches beyond `forwards`, waiting for a place, in order.
         self._waiting: list[int] = []
+        #: What to call when a waiting batch gets its place (`hold`'s `placed`).
+        self._on_place: dict[int, Callable[[], None]] = {}
         self._next_hold = 0
         self._idle_since = clock()
         self._changed = asyncio.Event()
@@ -90,15 +92,24 @@ class BackendOccupancy:
         oldest = next(iter(self._running.values()))
         return max(oldest + (1 - PICK_LEAD) * self.forward_s - self.clock(), 0.0)
 
-    def hold(self) -> Callable[[], None]:
-        """Hold the slot for one batch; returns its release, which only its first call does."""
+    def hold(self, placed: Callable[[], None] | None = None) -> Callable[[], None]:
+        """Hold the slot for one batch; returns its release, which only its first call does.
+
+        `placed` is called when the batch gets a place at the backend: at once if one is free,
+        else when a batch ahead of it is released (a batch picked a little before the backend
+        is done waits there meanwhile).
+        """
         hold = self._next_hold
         self._next_hold += 1
         self._held += 1
         if len(self._running) < self.forwards:
             self._running[hold] = self.clock()
+            if placed is not None:
+                placed()
         else:
             self._waiting.append(hold)
+            if placed is not None:
+                self._on_place[hold] = placed
         released = False
 
         def release() -> None:
@@ -110,6 +121,7 @@ class BackendOccupancy:
             began = self._running.pop(hold, None)
             if began is None:  # released before it had a place (a batch of cache hits)
                 self._waiting.remove(hold)
+                self._on_place.pop(hold, None)
             else:
                 took_s = now - began
                 self.forward_s = _running(self.forward_s, took_s)
@@ -117,7 +129,10 @@ class BackendOccupancy:
             if not self._held:
                 self._idle_since = now
             if self._waiting and len(self._running) < self.forwards:
-                self._running[self._waiting.pop(0)] = now  # it has the backend from now
+                placed_hold = self._waiting.pop(0)
+                self._running[placed_hold] = now  # it has the backend from now
+                if (on_place := self._on_place.pop(placed_hold, None)) is not None:
+                    on_place()
             self._changed.set()
             self._changed = asyncio.Event()
 
@@ -144,12 +159,46 @@ def _running(estimate: float, took_s: float) -> float:
     return took_s if not estimate else _NEWEST * took_s + (1 - _NEWEST) * estimate
 
 
+class ForwardStart:
+    """When a batch's forward starts: once its parts are released to call the backend and the
+    backend has a place for it (`BackendOccupancy.hold`'s `placed`), whichever comes later.
+
+    A batch picked a little before the backend is done (late binding's lead) calls it while
+    the forward ahead still runs: its calls wait at the backend until that one ends. Counted
+    from its release, its forward would include that wait (the anticipation bound,
+    `BackendOccupancy.compute_s`, would grow with it), and the stage trace's
+    ``forward_start`` would show the backend idle while it ran the batch ahead (a real model
+    under a flood: 0.3-0.5 s of "idle" between forwards that ran back to back).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, placed: bool = False) -> None:
+        self._clock = clock
+        self._missing = 1 if placed else 2
+        #: When it started (None: not yet).
+        self.at: float | None = None
+
+    def placed(self) -> None:
+        """The backend has a place for the batch (called once)."""
+        self._one()
+
+    def released(self) -> None:
+        """The batch's parts are released to call the backend (called once)."""
+        self._one()
+
+    def _one(self) -> None:
+        self._missing -= 1
+        if self._missing == 0:
+            self.at = self._clock()
+            stage_trace.mark("forward_start")
+
+
 class BatchForward:
     """One batch's parts on their way to the backend: they call it together, and `computed`
     is called once the backend is done with all of them (`timed` with the seconds from the
-    last part's arrival, when the backend was called, to then). `started` is called once,
-    when every part has arrived: the parts are released to call the backend (or, all cache
-    hits or refusals, need none), so work deferred until then no longer delays them."""
+    forward's start, `ForwardStart`, to then). `started` is called once, when every part has
+    arrived: the parts are released to call the backend (or, all cache hits or refusals, need
+    none), so work deferred until then no longer delays them. Without `start`, the backend
+    is taken to have a place for the batch at once."""
 
     def __init__(
         self,
@@ -158,6 +207,7 @@ class BatchForward:
         timed: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         started: Callable[[], None] | None = None,
+        start: ForwardStart | None = None,
     ) -> None:
         self._clock = clock
         self._parts = parts
@@ -167,7 +217,7 @@ class BatchForward:
         self._computed = computed
         self._timed = timed
         self._started = started
-        self._called_at = 0.0
+        self._start = start if start is not None else ForwardStart(clock, placed=True)
         self._calls = False  # whether any part calls the backend (cache hits do not)
         if not parts:
             self._release()
@@ -180,7 +230,6 @@ class BatchForward:
         """One more part is ready; whether it was the last (the batch is released now)."""
         self._not_ready -= 1
         if self._not_ready <= 0 and not self._all_ready.is_set():
-            self._called_at = self._clock()
             self._release()
             return True
         return False
@@ -189,7 +238,7 @@ class BatchForward:
         # The waiting parts are woken before whatever `started` wakes, so they call the
         # backend first; the last part to arrive follows them (`ForwardPart.ready`).
         self._all_ready.set()
-        stage_trace.mark("forward_start")
+        self._start.released()
         if self._started is not None:
             self._started()
 
@@ -200,8 +249,9 @@ class BatchForward:
         stage_trace.mark("forward_end")
         if self._computed is not None:
             self._computed()
-        if self._timed is not None and self._calls and self._called_at:
-            self._timed(self._clock() - self._called_at)
+        began = self._start.at
+        if self._timed is not None and self._calls and began is not None:
+            self._timed(self._clock() - began)
 
 
 class ForwardPart:

@@ -50,7 +50,7 @@ from .anticipation import AwaitedFirst, ReturningTenants
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
-from .late_binding import BackendOccupancy, BatchForward, ForwardPart
+from .late_binding import BackendOccupancy, BatchForward, ForwardPart, ForwardStart
 from .metrics import WorkerMetrics
 from .processor import BatchProcessor, MassComputer
 from .reply_writer import ReplyWriter
@@ -331,8 +331,11 @@ class Worker:
         if stage_trace.enabled():
             stage_trace.mark("pick", _tenant_counts((t, n) for t, (n, _) in calls.items()))
         started, self._next_forward = self._next_forward, asyncio.Event()
-        release = self.occupancy.hold()
-        task = asyncio.create_task(self._handle(picks, computed=release, started=started.set))
+        start = ForwardStart()
+        release = self.occupancy.hold(placed=start.placed)
+        task = asyncio.create_task(
+            self._handle(picks, computed=release, started=started.set, start=start)
+        )
         self._inflight.add(task)
         task.add_done_callback(lambda _: release())  # a failed batch releases it too
         task.add_done_callback(self._batch_done)
@@ -390,14 +393,17 @@ class Worker:
         picks: Sequence[Pick[tuple[Lane, Entry]]],
         computed: Callable[[], None] | None = None,
         started: Callable[[], None] | None = None,
+        start: ForwardStart | None = None,
     ) -> None:
         """Answer one fair batch: each tenant's part with its own keys, all at once.
 
         The parts call the backend together; `computed` is called once it is done with all,
         `started` once they go to it (the previous batch's held replies go out then, not
-        earlier: their writing delayed this forward's start; called on every path).
-        Awaited tenants' parts go first: after the forward theirs are processed and written
-        first, since the backend idles until their next calls are back.
+        earlier: their writing delayed this forward's start; called on every path); `start`
+        tells when the forward starts (`ForwardStart`: the backend may still run the batch
+        ahead when the parts call it). Awaited tenants' parts go first: after the forward
+        theirs are processed and written first, since the backend idles until their next
+        calls are back.
         """
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
         charged: dict[str, float] = {}
@@ -406,7 +412,9 @@ class Worker:
             stream = lane.stream.stream
             parts.setdefault(stream, (lane, []))[1].append(entry)
             charged[stream] = charged.get(stream, 0.0) + pick.charged
-        forward = BatchForward(len(parts), computed, self.occupancy.computed, started=started)
+        forward = BatchForward(
+            len(parts), computed, self.occupancy.computed, started=started, start=start
+        )
         awaited = {s for s, (lane, _) in parts.items() if self.returning.awaits(lane.tenant)}
         first = None
         if 0 < len(awaited) < len(parts):  # the others' replies wait for this batch's successor

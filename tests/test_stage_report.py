@@ -42,6 +42,7 @@ def test_a_round_trip_is_measured_from_the_end_of_each_forward_holding_the_tenan
         (_ms(100), "forward_end", ""),
         (_ms(100.5), "write_start", "a"),  # another tenant's write: not B's
         (_ms(101), "write_start", "b"), (_ms(101.2), "writer_start", "16"),
+        (_ms(101.5), "writer_cmds", ""), (_ms(102), "writer_sent", ""),
         (_ms(103), "writer_done", ""), (_ms(103.5), "written", "b"),
         (_ms(105), "read", "b:8"),  # half of B's calls back: not yet
         (_ms(106), "read", "a:40,b:16"), (_ms(106.5), "pick", "a:16,b:16"),
@@ -52,7 +53,8 @@ def test_a_round_trip_is_measured_from_the_end_of_each_forward_holding_the_tenan
     client = [(_ms(104), "replies", "16"), (_ms(104.2), "settled", ""),
               (_ms(104.5), "submit", "16"), (_ms(104.9), "submitted", "")]  # fmt: skip
     stages = round_trips(worker, client, "b", 0.0, _ms(250))
-    expected = {"write_start": 1.0, "writer_start": 1.2, "writer_done": 3.0, "written": 3.5,
+    expected = {"write_start": 1.0, "writer_start": 1.2, "writer_cmds": 1.5, "writer_sent": 2.0,
+                "writer_done": 3.0, "written": 3.5,
                 "client.replies": 4.0, "client.settled": 4.2, "client.submit": 4.5,
                 "client.submitted": 4.9, "read": 6.0, "pick": 6.5,
                 "forward_start": 7.0}  # fmt: skip

@@ -197,6 +197,7 @@ class ReplyWriter:
             acks = self._ack_commands(part, routes[self.stream.stream])
             if not self._cluster:  # one instance: in the same pipeline, after the replies
                 commands, acks = commands + acks, []
+            stage_trace.mark("writer_cmds")
             self._check_written(execute_routed(thread, commands), len(puts))
             if acks:  # a cluster: only once every reply is written, on any node
                 for result in execute_routed(thread, acks):

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from lmqueue.shared import stage_trace
 from lmqueue.shared.resp_socket import Target
 from lmqueue.shared.settings import WorkerSettings
 from lmqueue.shared.shared_cache import SharedCache
@@ -90,6 +91,7 @@ def execute_routed(thread: WriterThread, commands: Sequence[Routed]) -> list[Any
         sock = thread.socket(target)
         sock.send([commands[i][1] for i in indexes])
         sockets.append((sock, indexes))
+    stage_trace.mark("writer_sent")
     results: list[Any] = [None] * len(commands)
     for sock, indexes in sockets:
         for index, result in zip(indexes, sock.receive(len(indexes)), strict=True):

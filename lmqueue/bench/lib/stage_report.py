@@ -2,7 +2,9 @@
 
 For each forward that held calls of `tenant` (a closed loop, such as the fairness benchmark's
 light tenant B), the milliseconds from the forward's end to each stage after it, in order:
-its replies handed to the writer and written, its client reading them and sending its next
+its replies handed to the writer thread, their commands made there (16-bit payloads
+converted: ``writer_cmds``), the first pipeline sent (a separate cache instance's entries come
+first: ``writer_sent``), and written, its client reading them and sending its next
 calls, the worker reading them all back, the next pick, the next forward. The last is the
 backend's idle that the tenant's round trip cost. Beside it, every gap between forwards.
 """
@@ -24,8 +26,9 @@ Mark = tuple[float, str, str]
 
 #: The stages of a round trip, in the order they happen (``client.`` ones: the tenant's client).
 ROUND_TRIP_STAGES = (
-    "write_start", "writer_start", "writer_done", "written", "client.replies",
-    "client.settled", "client.submit", "client.submitted", "read", "pick", "forward_start",
+    "write_start", "writer_start", "writer_cmds", "writer_sent", "writer_done", "written",
+    "client.replies", "client.settled", "client.submit", "client.submitted", "read", "pick",
+    "forward_start",
 )  # fmt: skip
 
 

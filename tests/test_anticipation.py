@@ -283,3 +283,66 @@ async def test_a_closed_loop_under_a_flood_runs_each_step_in_the_next_forward(
     firsts = [min(f) for f in forwards]
     assert [b - a for a, b in zip(firsts, firsts[1:], strict=False)] == [gap] * 3
     assert max(backend.batch_sizes[1:-1]) == 32  # the flood still filled the batches
+
+
+def test_a_wait_that_ran_out_with_some_calls_back_is_no_miss() -> None:
+    clock = _Clock()
+    returning = ReturningTenants(0.010, clock)
+    for _ in range(3):  # one of its programs late each time: it is still a live loop
+        returning.sent("sampler", 16, cost=64.0)
+        returning.replied("sampler")
+        clock.now += 0.011
+        assert returning.waiting({"sampler": 8}.get, queued=40) == (False, 0.0)
+    returning.sent("sampler", 16, cost=64.0)
+    assert returning.awaits("sampler")  # not cooling off
+    for _ in range(2):  # nothing back, twice: that is a miss
+        returning.replied("sampler")
+        clock.now += 0.011
+        assert returning.waiting({"sampler": 0}.get, queued=40) == (False, 0.0)
+        returning.sent("sampler", 16, cost=64.0)
+    assert not returning.awaits("sampler")
+
+
+class _ReusingLM(RecordingLM):
+    """Reports the light tenant's prompts (first token 2) as extending a stored past, as an
+    hf backend's prefix cache does for a sampler's steps: one new token each."""
+
+    def __init__(self, tokenizer: Any, reuses: bool) -> None:
+        super().__init__(tokenizer)
+        self.reuses = reuses
+
+    def reused_tokens(self, prompts: Any) -> int:
+        return sum(len(ids) - 1 for _, ids in prompts if self.reuses and ids[0] == 2)
+
+
+@pytest.mark.parametrize("reuses", [True, False])
+async def test_a_step_of_prompts_costing_less_than_their_length_fits_one_forward(
+    redis_url: str,
+    tenant_urls: tuple[TenantAdmin, dict[str, str]],
+    smol_tokenizer: Any,
+    reuses: bool,
+) -> None:
+    """Not awaited (no anticipation), a light tenant's 40-token calls are charged when picked
+    what its forwards computed lately: one token each where the backend reuses their prefix,
+    so its whole step shares the next forward with the flood; charged their length, a step
+    is split over two forwards."""
+    admin, urls = tenant_urls
+    backend = _ReusingLM(smol_tokenizer, reuses)
+    worker = ThreadedWorker(backend, admin.worker_user(), anticipate_ms=0).start()
+    settings = ClientSettings(
+        redis=RedisSettings(url=urls["light"]), use_shared_cache=False, local_cache_size=0
+    )
+    try:
+        _xadd(redis_url, "flood", [[1, n] for n in range(20 * 32)])
+        lm = await QueueLM.connect(MODEL, settings=settings)
+        steps = [[[2, step, i, *[5] * 37] for i in range(8)] for step in range(5)]
+        try:
+            for prompts in steps:
+                await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+        finally:
+            await lm.close()
+    finally:
+        worker.stop()
+    forwards = [len({backend.forward_of[tuple(p)] for p in prompts}) for prompts in steps]
+    assert all(n == 1 for n in forwards[3:]) is reuses, forwards  # once its share is learned
+    assert max(backend.batch_sizes) == 32  # the flood filled the batches

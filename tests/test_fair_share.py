@@ -165,3 +165,37 @@ def test_credit_is_divided_by_weight_like_any_cost() -> None:
     _serve(share, 20)
     share.add("b", 1, 10, credit=40.0)
     assert share.counter("b") == pytest.approx(share.counter("a") - 20.0)
+
+
+def test_a_tenant_whose_prompts_cost_less_than_their_length_gets_more_of_a_batch() -> None:
+    """A sampler's prompts extend its last step's (the backend reuses their KV): once its
+    forwards report that, its next requests are charged their cost, not their length."""
+
+    def picked(observed: bool) -> list[float]:
+        share: FairShare[int] = FairShare(call_cost_tokens=1)
+        if observed:
+            share.add("sampler", -1, tokens=48)
+            share.pick(1)
+            for _ in range(6):  # its steps' forwards: one new token a prompt
+                share.observe("sampler", named_tokens=48 * 8, computed_tokens=8)
+        for i in range(64):
+            share.add("flood", i, tokens=8)
+        for i in range(8):
+            share.add("sampler", 100 + i, tokens=48)
+        return [p.charged for p in share.pick(16) if p.tenant == "sampler"]
+
+    assert len(picked(observed=False)) < 4
+    charges = picked(observed=True)
+    assert len(charges) == 8  # its whole step in one batch
+    assert sum(charges) < 8 * 48 / 2  # charged about its cost, not its length
+
+
+def test_the_computed_share_follows_what_forwards_report_and_ignores_empty_parts() -> None:
+    share: FairShare[int] = FairShare()
+    share.add("t", 0, tokens=10)
+    share.observe("t", named_tokens=0, computed_tokens=5)  # nothing named: nothing learned
+    assert share.pick(1)[0].charged == pytest.approx(10)
+    share.observe("t", named_tokens=10, computed_tokens=30)  # the envelope said less
+    share.add("t", 1, tokens=10)
+    assert share.pick(1)[0].charged == pytest.approx(20)  # half way to 3x
+    share.observe("unknown", named_tokens=10, computed_tokens=1)  # no such tenant: ignored

@@ -141,6 +141,21 @@ async def test_after_cache_kv_an_extension_runs_only_its_new_tokens(
     assert_matches_uncached(lm, [prompt + [7], prompt[:10] + [7, 8]], [row, row2])
 
 
+async def test_reused_tokens_says_what_a_forward_would_take_from_the_prefix_cache(
+    make_lm: Callable, forward_shapes: list[tuple]
+) -> None:
+    """What the worker charges a tenant's fair share: a prompt's positions minus these."""
+    lm = make_lm(timeout=0.0)
+    prompt = list(range(100, 130))
+    assert lm.reused_tokens([(None, prompt + [7])]) == 0
+    await lm.next_token_logprobs(prompt)
+    extension, stored = prompt + [7, 8], prompt
+    assert lm.reused_tokens([(None, extension), (None, stored), (None, [5, 6])]) == 30 + 30
+    await lm.next_token_logprobs(extension)
+    assert forward_shapes[-1][1] == len(extension) - 30  # what it said was reused was
+    assert lm.reused_tokens([(None, extension)]) == len(extension)  # now a stored result
+
+
 async def test_results_stay_exact_under_tight_bounds_and_constant_eviction(
     make_lm: Callable,
 ) -> None:

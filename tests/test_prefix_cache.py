@@ -216,3 +216,22 @@ def test_a_long_random_workload_keeps_bounds_and_exact_pasts(seed: int) -> None:
         assert cache.kv_tokens + cache.pool.free_slots == 40  # no slot lost or held twice
         assert cache.kv_tokens <= 40 and cache.num_results <= 12
         assert cache.num_nodes() <= 2 * (cache.num_results + cache.kv_tokens) + 1
+
+
+def test_peeks_report_the_stored_length_and_result_without_touching_recency() -> None:
+    cache = cache_of(max_kv_tokens=16, cache_size=4)
+    store(cache, [1, 2, 3, 4], result([1, 2, 3, 4]), 0)
+    store(cache, [5, 6], result([5, 6]), 0)
+    assert cache.stored_length((1, 2, 3, 4, 5, 6), 5) == 4
+    assert cache.stored_length((1, 2, 9), 2) == 2  # diverges inside the edge
+    assert cache.stored_length((1, 2, 3, 4), 3) == 3  # bounded by the limit
+    assert cache.stored_length((7, 8), 1) == 0
+    assert cache.stored_length((1, 2), 1, adapter="other") == 0
+    assert cache.has_result((1, 2, 3, 4)) and not cache.has_result((1, 2, 3))
+    assert not cache.has_result((1, 2, 3, 4), adapter="other")
+    assert cache.stored_length((1, 2, 3, 4, 5), 4) == cache.past((1, 2, 3, 4, 5), 4).length
+    assert cache.has_result((1, 2, 3, 4))  # a peek, not a use: [1..4] stays least recent
+    store(cache, [7, 8], result([7, 8]), 0)
+    store(cache, [9, 10], result([9, 10]), 0)
+    store(cache, [11, 12], result([11, 12]), 0)
+    assert cache.get((1, 2, 3, 4)) is None and cache.get((5, 6)) is not None

@@ -153,3 +153,20 @@ def test_an_entry_is_decoded_once_and_a_malformed_one_raises_each_time() -> None
     for _ in range(2):
         with pytest.raises(MalformedMessage):
             broken.request()
+
+
+class _ReusingLM(MockAsyncLM):
+    """A mock whose prefix cache holds the first 3 positions of every prompt."""
+
+    def reused_tokens(self, prompts):
+        return sum(min(3, len(ids)) for _, ids in prompts)
+
+
+async def test_computed_tokens_leave_out_what_the_backend_reuses(smol_tokenizer):
+    processor = BatchProcessor(_ReusingLM(smol_tokenizer), cache=None)
+    entries = [_entry(i, [1, 2, 3, 4, i]) for i in range(4)] + [_entry(9, [1, 2, 3, 4, 0])]
+    outcome = await processor.process(entries)
+    assert outcome.computed_prompts == 4  # the duplicate is computed once
+    assert outcome.computed_tokens == 4 * (5 - 3)
+    plain = await BatchProcessor(MockAsyncLM(smol_tokenizer), cache=None).process(entries)
+    assert plain.computed_tokens == 4 * 5  # nothing reused: the whole prompts

@@ -32,7 +32,11 @@ tenant with a backlog is never waited for; one whose wait ran
 out twice in a row (it stopped, thinks longer, its round trip is longer than the bound, or
 another worker read its calls) is not waited for during its next `COOL_OFF_BATCHES` batches,
 twice as many each time it runs out again right after (up to `MAX_COOL_OFF_BATCHES`), then
-tried again.
+tried again. A wait that ran out with some of its calls back is no miss: a tenant of several
+programs (an SMC sampler per prompt) sends each program's calls when that program's replies
+are in, and one starting its next run may be late while the others are back; counted as
+misses, such a tenant was soon not waited for at all and each of its steps waited for a forward
+of others' rows first (BENCHMARKS.md, fairness, real model).
 """
 
 from __future__ import annotations
@@ -155,8 +159,10 @@ class ReturningTenants:
                 longest = None
             elif (left_s := end - now) <= 0:
                 del self._expected[tenant]
-                if contended:
+                if not queued_own and contended:
                     self._missed(tenant)
+                elif queued_own:  # some are back: it is a live loop (`PARTLY_BACK`)
+                    self._misses.pop(tenant, None)
             elif longest is not None:
                 longest = max(longest, left_s)
         return (bool(self._expected), longest if self._expected else 0.0)

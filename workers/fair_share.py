@@ -6,7 +6,8 @@ its weight; the next request comes from the backlogged tenant with the smallest 
 cost of a request is what the worker pays for it: the tokens its forward pass computes plus a
 fixed cost per call. A request is charged its estimate when picked (so that the rest of the
 same batch is chosen fairly) and corrected once the forward pass reports what it computed
-(a prefix found in the KV cache costs less than its length).
+(a prefix found in the KV cache costs less than its length); the estimate is its length times
+the share of their length that its tenant's requests computed lately (`observe`).
 
 * No credit for idling: a tenant that becomes backlogged again has its counter lifted to the
   smallest counter of the backlogged tenants (or, with none, to where the last one left off),
@@ -30,6 +31,9 @@ __all__ = ["FairShare", "Pick"]
 
 T = TypeVar("T")
 
+#: The weight of the latest forward in a tenant's computed share (`FairShare.observe`).
+_SHARE_WEIGHT = 0.5
+
 
 @dataclass(frozen=True, slots=True)
 class Pick(Generic[T]):
@@ -47,6 +51,8 @@ class _Tenant(Generic[T]):
     counter: float
     queue: deque[tuple[T, int]] = field(default_factory=deque)
     served_cost: float = 0.0
+    #: What its forwards computed per token its requests' envelopes named, lately (`observe`).
+    computed_share: float = 1.0
 
 
 class FairShare(Generic[T]):
@@ -129,7 +135,7 @@ class FairShare(Generic[T]):
             state.counter = max(state.counter, self._lift_level() - credit / state.weight)
         state.queue.append((item, tokens))
 
-    def cost(self, tokens: int) -> float:
+    def cost(self, tokens: float) -> float:
         """The cost of a request that computes `tokens` tokens."""
         return tokens + self.call_cost_tokens
 
@@ -155,12 +161,28 @@ class FairShare(Generic[T]):
                 break
             state.queue.popleft()
             tokens_total += tokens
-            charged = self.cost(tokens)
+            charged = self.cost(tokens * state.computed_share)
             self._charge(tenant, charged)
             picks.append(Pick(tenant, item, tokens, charged))
             if not state.queue and not self._lift_level_of_backlogged():
                 self._floor = max(self._floor, state.counter)  # the last one left off here
         return picks
+
+    def observe(self, tenant: str, named_tokens: int, computed_tokens: int) -> None:
+        """A forward computed `computed_tokens` for requests of `tenant` whose envelopes named
+        `named_tokens`: its next requests are estimated at that share (a moving average), so
+        that a batch holds as many of its requests as their cost, not their length, allows.
+
+        A sampler's prompts extend its last step's, whose KV the backend kept: charged their
+        whole length when picked, its next step shared a forward with several times fewer of
+        its rows than its work deserved, and waited for more forwards (BENCHMARKS.md,
+        fairness, real model). An envelope may lie about its length; the share then grows,
+        and the charge is corrected after the forward either way (`adjust`).
+        """
+        state = self._tenants.get(tenant)
+        if state is not None and named_tokens > 0:
+            share = computed_tokens / named_tokens
+            state.computed_share += _SHARE_WEIGHT * (share - state.computed_share)
 
     def settle(self, pick: Pick[T], tokens_computed: int) -> None:
         """Correct a pick's charge to what its forward pass actually computed."""

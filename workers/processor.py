@@ -278,12 +278,15 @@ class BatchProcessor:
             for prompt, dtypes in wanted.items()
             if any((prompt, dtype) not in payloads for dtype in dtypes)
         )
+        if missing:  # what the forward will compute: the prefix cache's part is not charged
+            outcome.computed_prompts += len(missing)
+            tokens = sum(prompt.token_count for prompt in missing)
+            reused = self.backend.reused_tokens([(p.adapter, p.ids()) for p in missing])
+            outcome.computed_tokens += max(tokens - reused, 0)
         started = time.perf_counter()
         computed = await self._compute(missing, forward)
         if missing and self.metrics is not None:
             self.metrics.observe_forward(time.perf_counter() - started)
-        outcome.computed_prompts += len(missing)
-        outcome.computed_tokens += sum(prompt.token_count for prompt in missing)
         #: (prompt, dtype) -> the cache key its payload is being written under
         written: dict[tuple[PromptKey, str], str] = {}
         for prompt in missing:

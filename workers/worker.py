@@ -407,11 +407,13 @@ class Worker:
         """
         parts: dict[str, tuple[Lane, list[Entry]]] = {}
         charged: dict[str, float] = {}
+        named: dict[str, int] = {}  # the tokens their envelopes named
         for pick in picks:
             lane, entry = pick.item
             stream = lane.stream.stream
             parts.setdefault(stream, (lane, []))[1].append(entry)
             charged[stream] = charged.get(stream, 0.0) + pick.charged
+            named[stream] = named.get(stream, 0) + pick.tokens
         forward = BatchForward(
             len(parts), computed, self.occupancy.computed, started=started, start=start
         )
@@ -424,7 +426,13 @@ class Worker:
             results = await asyncio.gather(
                 *(
                     self._handle_lane(
-                        lane, entries, charged[stream], forward.part(), first, stream in awaited
+                        lane,
+                        entries,
+                        charged[stream],
+                        forward.part(),
+                        first,
+                        stream in awaited,
+                        named[stream],
                     )
                     for stream, (lane, entries) in order
                 ),
@@ -445,11 +453,15 @@ class Worker:
         forward: ForwardPart | None = None,
         first: AwaitedFirst | None = None,
         awaited: bool = False,
+        named_tokens: int = 0,
     ) -> None:
         """Process one tenant's entries and write their outcome; keep their claims fresh.
 
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
-        computed and their tokens; cache hits cost nothing) instead of the `charged` estimate.
+        computed and their tokens the backend's prefix cache did not hold; cache hits cost
+        nothing) instead of the `charged` estimate, and what it computed of the
+        `named_tokens` (the tokens its envelopes named) estimates its next requests
+        (`FairShare.observe`).
         With `first`, the batch has an `awaited` tenant, whose replies are written before
         the others' (`AwaitedFirst`), and those once the next batch goes to the backend.
         """
@@ -463,6 +475,8 @@ class Worker:
                 await asyncio.gather(keepalive, return_exceptions=True)
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
             self.scheduler.adjust(lane.tenant, cost - charged)
+            if named_tokens:
+                self.scheduler.observe(lane.tenant, named_tokens, outcome.computed_tokens)
             if first is not None and not awaited:
                 await first.wait(self.settings.redis.stall_timeout_s)
             stage_trace.mark("write_start", lane.tenant)

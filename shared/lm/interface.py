@@ -141,6 +141,17 @@ class AsyncLM(ABC):
         ]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
+    def reused_tokens(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> int:
+        """How many of `prompts`' positions a forward now would not compute: a stored result
+        (all of its prompt) or a stored past (KV) that the prompt extends. None by default.
+
+        The worker charges a tenant's fair share what its calls computed (`FairShare`): a
+        sampler's prompts extend its last step's, so charging their whole length made its
+        next step share a forward with eight times fewer of its rows than its work deserved
+        (BENCHMARKS.md, fairness, real model). Asked before the forward, so an estimate.
+        """
+        return 0
+
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:

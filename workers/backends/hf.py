@@ -311,6 +311,18 @@ class AsyncTransformer(AsyncLM):
             kv_bytes=cache.kv_bytes(),
         )
 
+    def reused_tokens(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> int:
+        """Positions of `prompts` a forward now would take from the prefix cache (a stored
+        result: the whole prompt; else the stored past it extends)."""
+        cache, reused = self._cache, 0
+        for adapter, ids in prompts:
+            tokens = tuple(ids)
+            if cache.has_result(tokens, adapter):
+                reused += len(tokens)
+            else:
+                reused += cache.stored_length(tokens, len(tokens) - 1, adapter)
+        return reused
+
     @property
     def cache(self) -> PrefixCache:
         """The trie of results and KV segments (read-only use: sizes, for tests and metrics)."""

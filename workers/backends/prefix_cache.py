@@ -145,6 +145,20 @@ class PrefixCache:
     # -- reading ---------------------------------------------------------------------------------
     def get(self, tokens: Sequence[int], adapter: str | None = None) -> torch.Tensor | None:
         """The stored log-probabilities after exactly `tokens` (under `adapter`), or None."""
+        node = self._node_at(tokens, adapter)
+        if node is None:
+            return None
+        if node.logprobs is not None:
+            self._result_lru.move_to_end(node)
+        return node.logprobs
+
+    def has_result(self, tokens: Sequence[int], adapter: str | None = None) -> bool:
+        """Whether `get` would find a result, without touching the trie's recency (a peek)."""
+        node = self._node_at(tokens, adapter)
+        return node is not None and node.logprobs is not None
+
+    def _node_at(self, tokens: Sequence[int], adapter: str | None) -> _Node | None:
+        """The node ending exactly at `tokens`, if the trie has one."""
         node, depth = self._roots.get(adapter), 0
         if node is None:
             return None
@@ -153,9 +167,7 @@ class PrefixCache:
             if child is None or _common_length(child.tokens, tokens, depth) < len(child.tokens):
                 return None
             node, depth = child, depth + len(child.tokens)
-        if node.logprobs is not None:
-            self._result_lru.move_to_end(node)
-        return node.logprobs
+        return node
 
     def past(self, tokens: Sequence[int], limit: int, adapter: str | None = None) -> Past:
         """The longest stored past of `tokens` (under `adapter`), at most `limit` long."""
@@ -175,6 +187,20 @@ class PrefixCache:
         self._touch_kv_path(node)
         slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_SLOTS
         return Past(slots, node if parts else None)
+
+    def stored_length(self, tokens: Sequence[int], limit: int, adapter: str | None = None) -> int:
+        """How long `past` would be, without touching the trie's recency (a peek)."""
+        node, depth = self._roots.get(adapter), 0
+        while node is not None and depth < limit:
+            child = node.children.get(tokens[depth])
+            if child is None or child.kv is None:
+                break
+            k = min(_common_length(child.tokens, tokens, depth), limit - depth)
+            depth += k
+            if k < len(child.tokens):
+                break
+            node = child
+        return depth
 
     def kv_prefix(
         self, tokens: Sequence[int], limit: int, adapter: str | None = None

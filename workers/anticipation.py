@@ -161,7 +161,7 @@ class ReturningTenants:
                 del self._expected[tenant]
                 if not queued_own and contended:
                     self._missed(tenant)
-                elif queued_own:  # some are back: it is a live loop (`PARTLY_BACK`)
+                elif queued_own:  # some are back: a live loop, one of its programs late
                     self._misses.pop(tenant, None)
             elif longest is not None:
                 longest = max(longest, left_s)

@@ -143,12 +143,14 @@ class AsyncLM(ABC):
 
     def reused_tokens(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> int:
         """How many of `prompts`' positions a forward now would not compute: a stored result
-        (all of its prompt) or a stored past (KV) that the prompt extends. None by default.
+        (all of its prompt) or a stored past (KV) that the prompt extends. 0 by default (a
+        backend whose engine keeps its own prefix cache does not say).
 
         The worker charges a tenant's fair share what its calls computed (`FairShare`): a
         sampler's prompts extend its last step's, so charging their whole length made its
-        next step share a forward with eight times fewer of its rows than its work deserved
-        (BENCHMARKS.md, fairness, real model). Asked before the forward, so an estimate.
+        next step share a forward with several times fewer of its rows than its work
+        deserved (BENCHMARKS.md, fairness, real model). Asked before the forward, so an
+        estimate.
         """
         return 0
 

@@ -281,7 +281,7 @@ class BatchProcessor:
         if missing:  # what the forward will compute: the prefix cache's part is not charged
             outcome.computed_prompts += len(missing)
             tokens = sum(prompt.token_count for prompt in missing)
-            reused = self.backend.reused_tokens([(p.adapter, p.ids()) for p in missing])
+            reused = self.backend.reused_tokens((p.adapter, p.ids()) for p in missing)
             outcome.computed_tokens += max(tokens - reused, 0)
         started = time.perf_counter()
         computed = await self._compute(missing, forward)

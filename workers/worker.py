@@ -475,8 +475,7 @@ class Worker:
                 await asyncio.gather(keepalive, return_exceptions=True)
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
             self.scheduler.adjust(lane.tenant, cost - charged)
-            if named_tokens:
-                self.scheduler.observe(lane.tenant, named_tokens, outcome.computed_tokens)
+            self.scheduler.observe(lane.tenant, named_tokens, outcome.computed_tokens)
             if first is not None and not awaited:
                 await first.wait(self.settings.redis.stall_timeout_s)
             stage_trace.mark("write_start", lane.tenant)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +141,7 @@ class AsyncLM(ABC):
         ]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
-    def reused_tokens(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> int:
+    def reused_tokens(self, prompts: Iterable[tuple[str | None, Sequence[int]]]) -> int:
         """How many of `prompts`' positions a forward now would not compute: a stored result
         (all of its prompt) or a stored past (KV) that the prompt extends. 0 by default (a
         backend whose engine keeps its own prefix cache does not say).
@@ -150,7 +150,7 @@ class AsyncLM(ABC):
         sampler's prompts extend its last step's, so charging their whole length made its
         next step share a forward with several times fewer of its rows than its work
         deserved (BENCHMARKS.md, fairness, real model). Asked before the forward, so an
-        estimate.
+        estimate; `prompts` may be lazy (a backend that does not say need not build them).
         """
         return 0
 

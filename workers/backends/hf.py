@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -311,7 +311,7 @@ class AsyncTransformer(AsyncLM):
             kv_bytes=cache.kv_bytes(),
         )
 
-    def reused_tokens(self, prompts: Sequence[tuple[str | None, Sequence[int]]]) -> int:
+    def reused_tokens(self, prompts: Iterable[tuple[str | None, Sequence[int]]]) -> int:
         """Positions of `prompts` a forward now would take from the prefix cache (a stored
         result: the whole prompt; else the stored past it extends)."""
         cache, reused = self._cache, 0

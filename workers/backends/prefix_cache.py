@@ -171,10 +171,26 @@ class PrefixCache:
 
     def past(self, tokens: Sequence[int], limit: int, adapter: str | None = None) -> Past:
         """The longest stored past of `tokens` (under `adapter`), at most `limit` long."""
+        node, parts = self._past_walk(tokens, limit, adapter)
+        if node is None:
+            return Past(_NO_SLOTS, None)
+        self._touch_kv_path(node)
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_SLOTS
+        return Past(slots, node if parts else None)
+
+    def stored_length(self, tokens: Sequence[int], limit: int, adapter: str | None = None) -> int:
+        """How long `past` would be, without touching the trie's recency (a peek)."""
+        return sum(len(part) for part in self._past_walk(tokens, limit, adapter)[1])
+
+    def _past_walk(
+        self, tokens: Sequence[int], limit: int, adapter: str | None
+    ) -> tuple[_Node | None, list[np.ndarray]]:
+        """The deepest node of the stored past of `tokens` (at most `limit` long; None: no
+        trie for `adapter`) and the slots of its segments, root first (views, not copies)."""
         node, depth = self._roots.get(adapter), 0
         parts: list[np.ndarray] = []
         if node is None:
-            return Past(_NO_SLOTS, None)
+            return None, parts
         while depth < limit:
             child = node.children.get(tokens[depth])
             if child is None or child.kv is None:
@@ -184,23 +200,7 @@ class PrefixCache:
             node, depth = child, depth + k
             if k < len(child.tokens):
                 break
-        self._touch_kv_path(node)
-        slots = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _NO_SLOTS
-        return Past(slots, node if parts else None)
-
-    def stored_length(self, tokens: Sequence[int], limit: int, adapter: str | None = None) -> int:
-        """How long `past` would be, without touching the trie's recency (a peek)."""
-        node, depth = self._roots.get(adapter), 0
-        while node is not None and depth < limit:
-            child = node.children.get(tokens[depth])
-            if child is None or child.kv is None:
-                break
-            k = min(_common_length(child.tokens, tokens, depth), limit - depth)
-            depth += k
-            if k < len(child.tokens):
-                break
-            node = child
-        return depth
+        return node, parts
 
     def kv_prefix(
         self, tokens: Sequence[int], limit: int, adapter: str | None = None

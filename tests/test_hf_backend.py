@@ -243,6 +243,72 @@ async def test_a_forward_holds_at_most_max_batch_tokens_padded_new_tokens(
     assert_matches_uncached(lm, prompts, rows)
 
 
+@pytest.mark.parametrize(
+    ("split", "costs", "forwards"),
+    [
+        (True, (0.0, 0.001), [(4, 1), (4, 8)]),
+        (True, (0.05, 0.000001), [(8, 8)]),
+        (True, None, [(8, 8)]),
+        (False, (0.0, 0.001), [(8, 8)]),
+    ],
+    ids=["time-follows-slots", "fixed-cost-dominates", "not-fitted", "off-by-default"],
+)
+async def test_decode_rows_beside_prompts_run_first_on_their_own_where_that_is_faster(
+    make_lm: Callable,
+    forward_shapes: list[tuple],
+    tiny_model: Any,
+    monkeypatch: Any,
+    split: bool,
+    costs: tuple[float, float] | None,
+    forwards: list[tuple[int, int]],
+) -> None:
+    lm = make_lm(timeout=0.05, shape_split=True) if split else make_lm(timeout=0.05)
+    if split:
+        monkeypatch.setattr(lm.shape_split, "costs", lambda: costs)
+    else:
+        assert lm.shape_split is None
+    stems = [[7, 11 + i, 13, 17, 19] for i in range(4)]
+    await lm.batch_next_token_logprobs(stems)  # their KV is stored: extensions decode one token
+    forward_shapes.clear()
+    decode = [stem + [23] for stem in stems]
+    prompts = [[100 + 10 * i + j for j in range(8)] for i in range(4)]
+    patch_forward(tiny_model, monkeypatch, lambda ids: time.sleep(0.1))
+    loop = asyncio.get_running_loop()
+    done_at: dict[int, float] = {}
+    calls = [asyncio.create_task(lm.next_token_logprobs(p)) for p in decode + prompts]
+    for i, call in enumerate(calls):
+        call.add_done_callback(lambda _, i=i: done_at.setdefault(i, loop.time()))
+    rows = await asyncio.gather(*calls)
+    assert [(n, width) for n, width, _ in forward_shapes] == forwards
+    assert lm.stats.shape_splits == len(forwards) - 1
+    decoded_s, prompted_s = max(done_at[i] for i in range(4)), min(done_at[i] for i in range(4, 8))
+    # split, the decode calls are answered while the prompts' forward runs
+    assert (prompted_s - decoded_s > 0.05) == (len(forwards) == 2)
+    assert_matches_uncached(lm, decode + prompts, rows)
+
+
+async def test_a_cancelled_split_batch_fails_every_query_of_both_forwards(
+    make_lm: Callable, tiny_model: Any, monkeypatch: Any
+) -> None:
+    lm = make_lm(timeout=0.05, shape_split=True)
+    monkeypatch.setattr(lm.shape_split, "costs", lambda: (0.0, 0.001))
+    await lm.batch_next_token_logprobs([[5, 6, 7]])
+    patch_forward(tiny_model, monkeypatch, lambda ids: time.sleep(0.2))
+    calls = [asyncio.create_task(lm.next_token_logprobs(p)) for p in ([5, 6, 7, 8], [9] * 8)]
+    await asyncio.sleep(0.1)  # the first (decode) forward runs
+    for task in list(lm._forwards):
+        task.cancel()
+    for outcome in await asyncio.gather(*calls, return_exceptions=True):
+        assert isinstance(outcome, Cancelled)
+    await asyncio.sleep(0.15)  # the forward thread finishes the forward it had begun
+    assert torch.allclose(  # and the backend keeps serving
+        await lm.next_token_logprobs([5, 6, 7, 8]),
+        lm.next_token_logprobs_uncached([5, 6, 7, 8]),
+        atol=TOLERANCE,
+        rtol=0,
+    )
+
+
 async def test_queries_arriving_during_a_forward_go_into_the_next_one(
     make_lm: Callable, forward_shapes: list[tuple], tiny_model: Any, monkeypatch: Any
 ) -> None:

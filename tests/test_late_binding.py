@@ -152,6 +152,19 @@ async def test_the_parts_of_a_batch_call_the_backend_together() -> None:
     assert done == ["computed"]
 
 
+async def test_what_waits_for_the_whole_batch_runs_once_its_last_part_is_computed() -> None:
+    done: list[str] = []
+    forward = BatchForward(2, lambda: done.append("computed"))
+    narrow, wide = forward.part(), forward.part()
+    narrow.computed()  # a split batch's narrow rows are answered first ...
+    narrow.after_batch(lambda: done.append("narrow's tenant replied"))
+    assert done == []  # ... but the backend still computes the wide ones
+    wide.computed()
+    assert done == ["computed", "narrow's tenant replied"]
+    wide.after_batch(lambda: done.append("wide's tenant replied"))  # done already: at once
+    assert done[-1] == "wide's tenant replied"
+
+
 async def test_a_batch_reports_the_backends_time_from_its_call_and_none_for_cache_hits() -> None:
     took: list[float] = []
     now = [10.0]

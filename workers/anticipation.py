@@ -115,7 +115,10 @@ class ReturningTenants:
         return expected.cost if expected is not None else 0.0
 
     def replied(self, tenant: str) -> None:
-        """The replies of `tenant`'s part of a batch are written: its next calls may come."""
+        """The replies of `tenant`'s part of a batch are written, and the backend is done with
+        the batch (the worker calls this at the later of the two): its next calls may come.
+        Counted from its replies alone, a tenant answered while the batch's other rows still
+        computed (a split batch) ran out of its wait before the next pick could take it."""
         expected = self._expected.get(tenant)
         if expected is not None and expected.replied_at is None:
             expected.replied_at = self.clock()

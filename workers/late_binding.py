@@ -219,12 +219,20 @@ class BatchForward:
         self._started = started
         self._start = start if start is not None else ForwardStart(clock, placed=True)
         self._calls = False  # whether any part calls the backend (cache hits do not)
+        self._after: list[Callable[[], None]] = []  # called once every part is computed
         if not parts:
             self._release()
 
     def part(self) -> ForwardPart:
         """The handle of one part (make exactly as many as `parts`)."""
         return ForwardPart(self)
+
+    def after(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the backend is done with every part (now, if it is)."""
+        if self._not_computed <= 0:
+            callback()
+        else:
+            self._after.append(callback)
 
     def _arrive(self) -> bool:
         """One more part is ready; whether it was the last (the batch is released now)."""
@@ -249,6 +257,9 @@ class BatchForward:
         stage_trace.mark("forward_end")
         if self._computed is not None:
             self._computed()
+        after, self._after = self._after, []
+        for callback in after:
+            callback()
         began = self._start.at
         if self._timed is not None and self._calls and began is not None:
             self._timed(self._clock() - began)
@@ -278,6 +289,11 @@ class ForwardPart:
         await self._batch._all_ready.wait()
         if last and self._batch._parts > 1:
             await asyncio.sleep(0)
+
+    def after_batch(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the backend is done with every part of the batch (now, if
+        it is): a part answered first (a split batch's narrow rows) is done before the rest."""
+        self._batch.after(callback)
 
     def computed(self) -> None:
         """The backend is done with this part (or it needs none, or it failed)."""

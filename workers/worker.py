@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
@@ -481,8 +482,16 @@ class Worker:
             stage_trace.mark("write_start", lane.tenant)
             await lane.writer.flush(outcome)
             stage_trace.mark("written", lane.tenant)
-        finally:  # replied, or never will be: either way its wait for the tenant may start
-            self.returning.replied(lane.tenant)
+        finally:  # replied, or never will be: either way its wait for the tenant may start,
+            # once the backend is done with the whole batch: a tenant answered while the others'
+            # rows still compute (a split batch, `shape_split`) holds up no one until then, and
+            # its wait counted from its replies ran out before the next pick (BENCHMARKS.md,
+            # fairness, real model)
+            replied = functools.partial(self.returning.replied, lane.tenant)
+            if forward is not None:
+                forward.after_batch(replied)
+            else:
+                replied()
             if first is not None and awaited:
                 first.written()
         self.answered += len(outcome.acks)

@@ -2,10 +2,11 @@
 
 Concurrent `next_token_logprobs` calls wait up to ``max_wait_s`` seconds for stragglers (or until
 ``batch_size`` are queued), then run as one padded forward of at most ``batch_size`` rows and
-``max_batch_tokens`` padded new tokens; identical prompts in flight share one row. Every result
-and the KV of every computed position go into a `PrefixCache`, so any prompt extending a stored
-prefix runs only its new tokens, not only prompts passed to `cache_kv`. Returned vectors are
-shared with that cache: treat them as read-only.
+``max_batch_tokens`` padded new tokens (with ``shape_split``, as two, narrow rows first, where
+the forwards seen so far say that is faster: `ShapeSplit`); identical prompts in flight share
+one row. Every result and the KV of every computed position go into a `PrefixCache`, so any
+prompt extending a stored prefix runs only its new tokens, not only prompts passed to
+`cache_kv`. Returned vectors are shared with that cache: treat them as read-only.
 
 Threads: forwards run on dedicated threads, one at a time unless ``parallel_forwards`` says
 more, so the event loop keeps serving meanwhile; queries arriving during a forward go into the
@@ -34,6 +35,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +69,7 @@ from .padded_batch import (
     run_rows,
 )
 from .prefix_cache import Past, PrefixCache
+from .shape_split import ShapeSplit, token_slots
 
 __all__ = ["AsyncTransformer", "ForwardStats"]
 
@@ -152,6 +155,12 @@ class AsyncTransformer(AsyncLM):
         graph_positions: on a GPU, decode forwards of base-model rows replay CUDA graphs
             captured per batch shape (`DecodeGraphs`) when rows x padded past is at most
             this; 0 runs every forward eagerly. Off with ``parallel_forwards`` above 1.
+        shape_split: run a batch mixing narrow and wide rows (one-token decode rows beside
+            fresh prompts) as two forwards, narrow rows first, where a fit of this backend's
+            forward times says two are faster (`ShapeSplit`). Off by default: on a 2-core CPU
+            it raised a flood's calls/s by a fifth to a third but slowed a light sampler's
+            steps beside it (its client's CPU competes with the wide forward; BENCHMARKS.md,
+            fairness).
     """
 
     backend_name = "hf"
@@ -172,6 +181,7 @@ class AsyncTransformer(AsyncLM):
         forward_threads: int = 0,
         parallel_forwards: int = 1,
         graph_positions: int = 32_768,
+        shape_split: bool = False,
         **vocab: Any,
     ) -> None:
         if timeout is not None:  # genlm-backend's name
@@ -202,6 +212,8 @@ class AsyncTransformer(AsyncLM):
             else None
         )
         self._forward_kwargs = forward_options(model)
+        #: Whether a batch mixing narrow and wide rows runs as two forwards (None: never).
+        self.shape_split = ShapeSplit() if shape_split else None
         self.forward_threads = forward_threads or torch.get_num_threads()
         self.parallel_forwards = parallel_forwards
         self._gate = ModelChangeLock()
@@ -221,7 +233,7 @@ class AsyncTransformer(AsyncLM):
     OPTIONS = frozenset(
         {"batch_size", "max_wait_s", "timeout", "max_batch_tokens", "max_kv_tokens",
          "kv_memory_fraction", "cache_size", "revision", "device", "bitsandbytes_opts",
-         "forward_threads", "parallel_forwards", "graph_positions"}
+         "forward_threads", "parallel_forwards", "graph_positions", "shape_split"}
     )  # fmt: skip
 
     @classmethod
@@ -516,9 +528,27 @@ class AsyncTransformer(AsyncLM):
                 pool.end(ticket)
 
     async def _run_batch(self, batch: list[tuple[_Query, Row]]) -> None:
-        """Compute `batch` on the forward thread; resolve every future on every path."""
+        """Compute `batch` on the forward thread, as one forward or, where `ShapeSplit` says
+        it is faster, two (narrow rows first: their callers have results while the wide
+        ones compute); resolve every future on every path."""
         if not batch:
             return
+        split = self.shape_split
+        groups = split.groups([row for _, row in batch]) if split else [list(range(len(batch)))]
+        if len(groups) > 1:
+            self.stats.count_shape_split()
+        for index, group in enumerate(groups):
+            try:
+                await self._run_forward([batch[i] for i in group])
+            except asyncio.CancelledError:
+                for i in (i for later in groups[index + 1 :] for i in later):
+                    query, row = batch[i]
+                    self._cache.release(row.dest)
+                    self._fail(query, Cancelled("the backend closed during the forward pass"))
+                raise
+
+    async def _run_forward(self, batch: list[tuple[_Query, Row]]) -> None:
+        """One forward of `batch` on the forward thread; resolve its futures on every path."""
         rows = [row for _, row in batch]
         loop = asyncio.get_running_loop()
         try:
@@ -649,11 +679,15 @@ class AsyncTransformer(AsyncLM):
 
     @torch.no_grad()
     def _compute(self, rows: list[Row]) -> list[Output]:
+        """The rows' outputs; an eager forward's time teaches `shape_split` what forwards cost
+        (a replayed CUDA graph's does not: its cost is not the eager one's)."""
         pool = self._cache.pool
         with self._gate.forward():
             graphs = self._graphs if pool is not None else None
+            replays = graphs.replays if graphs is not None else 0
+            started = time.perf_counter()
             try:
-                return run_rows(
+                outputs = run_rows(
                     self.model, rows, pool, self._forward_kwargs, self.stats, self._lora,
                     graphs.run if graphs is not None and graphs.enabled else None,
                 )  # fmt: skip
@@ -666,6 +700,10 @@ class AsyncTransformer(AsyncLM):
                 return run_rows(
                     self.model, fresh, None, self._forward_kwargs, self.stats, self._lora
                 )
+            split = self.shape_split
+            if split is not None and (graphs is None or graphs.replays == replays):
+                split.observe(token_slots(rows), time.perf_counter() - started)
+            return outputs
 
     @torch.no_grad()
     def _uncached(self, tokens: tuple[int, ...], adapter: str | None = None) -> torch.Tensor:

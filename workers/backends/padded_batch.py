@@ -62,6 +62,8 @@ class ForwardStats:
     reused_tokens: int = 0
     forward_s: float = 0.0
     oom_splits: int = 0
+    #: Batches run as two forwards, narrow rows first (`ShapeSplit`).
+    shape_splits: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, rows: list[Row], seconds: float) -> None:
@@ -77,6 +79,11 @@ class ForwardStats:
         """A forward out of memory, retried as two halves."""
         with self._lock:
             self.oom_splits += 1
+
+    def count_shape_split(self) -> None:
+        """A batch run as two forwards by the shape of its rows."""
+        with self._lock:
+            self.shape_splits += 1
 
 
 def forward_options(model: Any) -> dict[str, Any]:

@@ -246,14 +246,14 @@ async def test_a_forward_holds_at_most_max_batch_tokens_padded_new_tokens(
 @pytest.mark.parametrize(
     ("split", "costs", "forwards"),
     [
-        (True, (0.0, 0.001), [(4, 1), (4, 8)]),
+        (True, (0.0, 0.001), [(4, 8), (4, 1)]),
         (True, (0.05, 0.000001), [(8, 8)]),
         (True, None, [(8, 8)]),
         (False, (0.0, 0.001), [(8, 8)]),
     ],
-    ids=["time-follows-slots", "fixed-cost-dominates", "not-fitted", "off-by-default"],
+    ids=["time-follows-slots", "fixed-cost-dominates", "not-fitted", "off"],
 )
-async def test_decode_rows_beside_prompts_run_first_on_their_own_where_that_is_faster(
+async def test_decode_rows_beside_prompts_run_on_their_own_where_that_is_faster(
     make_lm: Callable,
     forward_shapes: list[tuple],
     tiny_model: Any,
@@ -262,7 +262,7 @@ async def test_decode_rows_beside_prompts_run_first_on_their_own_where_that_is_f
     costs: tuple[float, float] | None,
     forwards: list[tuple[int, int]],
 ) -> None:
-    lm = make_lm(timeout=0.05, shape_split=True) if split else make_lm(timeout=0.05)
+    lm = make_lm(timeout=0.05, shape_split=split)
     if split:
         monkeypatch.setattr(lm.shape_split, "costs", lambda: costs)
     else:
@@ -281,21 +281,22 @@ async def test_decode_rows_beside_prompts_run_first_on_their_own_where_that_is_f
     rows = await asyncio.gather(*calls)
     assert [(n, width) for n, width, _ in forward_shapes] == forwards
     assert lm.stats.shape_splits == len(forwards) - 1
-    decoded_s, prompted_s = max(done_at[i] for i in range(4)), min(done_at[i] for i in range(4, 8))
-    # split, the decode calls are answered while the prompts' forward runs
-    assert (prompted_s - decoded_s > 0.05) == (len(forwards) == 2)
+    decoded_s, prompted_s = min(done_at[i] for i in range(4)), max(done_at[i] for i in range(4, 8))
+    # split, the prompts are answered first: the decode rows end the batch, in a forward of
+    # their own (their callers' next calls come back while the backend waits for them)
+    assert (decoded_s - prompted_s > 0.05) == (len(forwards) == 2)
     assert_matches_uncached(lm, decode + prompts, rows)
 
 
 async def test_a_cancelled_split_batch_fails_every_query_of_both_forwards(
     make_lm: Callable, tiny_model: Any, monkeypatch: Any
 ) -> None:
-    lm = make_lm(timeout=0.05, shape_split=True)
+    lm = make_lm(timeout=0.05)  # splitting by default, where the fit says it pays
     monkeypatch.setattr(lm.shape_split, "costs", lambda: (0.0, 0.001))
     await lm.batch_next_token_logprobs([[5, 6, 7]])
     patch_forward(tiny_model, monkeypatch, lambda ids: time.sleep(0.2))
     calls = [asyncio.create_task(lm.next_token_logprobs(p)) for p in ([5, 6, 7, 8], [9] * 8)]
-    await asyncio.sleep(0.1)  # the first (decode) forward runs
+    await asyncio.sleep(0.1)  # the first (the prompt's) forward runs
     for task in list(lm._forwards):
         task.cancel()
     for outcome in await asyncio.gather(*calls, return_exceptions=True):

@@ -292,7 +292,7 @@ class ForwardPart:
 
     def after_batch(self, callback: Callable[[], None]) -> None:
         """Call `callback` once the backend is done with every part of the batch (now, if
-        it is): a part answered first (a split batch's narrow rows) is done before the rest."""
+        it is): a part answered first (a split batch's first forward) is done before the rest."""
         self._batch.after(callback)
 
     def computed(self) -> None:

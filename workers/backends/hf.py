@@ -2,9 +2,9 @@
 
 Concurrent `next_token_logprobs` calls wait up to ``max_wait_s`` seconds for stragglers (or until
 ``batch_size`` are queued), then run as one padded forward of at most ``batch_size`` rows and
-``max_batch_tokens`` padded new tokens (with ``shape_split``, as two, narrow rows first, where
-the forwards seen so far say that is faster: `ShapeSplit`); identical prompts in flight share
-one row. Every result and the KV of every computed position go into a `PrefixCache`, so any
+``max_batch_tokens`` padded new tokens (with ``shape_split``, as two, the narrow rows last,
+where the forwards seen so far say that is faster: `ShapeSplit`); identical prompts in flight
+share one row. Every result and the KV of every computed position go into a `PrefixCache`, so any
 prompt extending a stored prefix runs only its new tokens, not only prompts passed to
 `cache_kv`. Returned vectors are shared with that cache: treat them as read-only.
 
@@ -156,11 +156,8 @@ class AsyncTransformer(AsyncLM):
             captured per batch shape (`DecodeGraphs`) when rows x padded past is at most
             this; 0 runs every forward eagerly. Off with ``parallel_forwards`` above 1.
         shape_split: run a batch mixing narrow and wide rows (one-token decode rows beside
-            fresh prompts) as two forwards, narrow rows first, where a fit of this backend's
-            forward times says two are faster (`ShapeSplit`). Off by default: on a 2-core CPU
-            it raised a flood's calls/s by a fifth to a third but slowed a light sampler's
-            steps beside it (its client's CPU competes with the wide forward; BENCHMARKS.md,
-            fairness).
+            fresh prompts) as two forwards, narrow rows last, where a fit of this backend's
+            forward times says two are faster (`ShapeSplit`; False: every batch whole).
     """
 
     backend_name = "hf"
@@ -181,7 +178,7 @@ class AsyncTransformer(AsyncLM):
         forward_threads: int = 0,
         parallel_forwards: int = 1,
         graph_positions: int = 32_768,
-        shape_split: bool = False,
+        shape_split: bool = True,
         **vocab: Any,
     ) -> None:
         if timeout is not None:  # genlm-backend's name
@@ -529,8 +526,8 @@ class AsyncTransformer(AsyncLM):
 
     async def _run_batch(self, batch: list[tuple[_Query, Row]]) -> None:
         """Compute `batch` on the forward thread, as one forward or, where `ShapeSplit` says
-        it is faster, two (narrow rows first: their callers have results while the wide
-        ones compute); resolve every future on every path."""
+        it is faster, two (each forward's callers have their results as it ends); resolve
+        every future on every path."""
         if not batch:
             return
         split = self.shape_split

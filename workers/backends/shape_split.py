@@ -6,9 +6,12 @@ tokens. A batch that mixes rows decoding one token after a stored past (an SMC s
 step) with rows prefilling fresh prompts computes each decode row as wide as the prompts: a
 flood's 16 eight-token prompts beside a sampler's 16 one-token rows is a forward of 256 token
 slots for 144 real tokens, and the sampler waits for all of it every step (BENCHMARKS.md,
-fairness, real model). Run as two forwards, narrowest first, the decode rows cost their own
-slots plus one more forward's fixed cost, and their callers have their results while the
-prompts compute.
+fairness, real model). Run as two forwards, the decode rows cost their own slots plus one
+more forward's fixed cost. The wide rows go first: the decode rows end the batch, so their
+callers' next calls come back while the backend waits for them (`anticipation`), not while it
+computes the prompts on the cores those callers share (the other order answered a sampler
+sooner but its next step, computed beside the prompts' forward on a 2-core CPU, often missed
+the next batch: BENCHMARKS.md, fairness).
 
 Whether that pays depends on the device: on a CPU a forward's time follows its token slots;
 on a GPU its fixed cost (launches, a CUDA graph's replay) dwarfs a few hundred slots, and one
@@ -83,7 +86,7 @@ class ShapeSplit:
 
     def groups(self, rows: Sequence[Row]) -> list[list[int]]:
         """Indexes of `rows` in the forwards to run, in order: all of them in one, or the
-        narrower rows first and the wider after, where the fit says that is faster."""
+        wider rows first and the narrower after, where the fit says that is faster."""
         whole = [list(range(len(rows)))]
         costs = self.costs() if len(rows) > 1 else None
         if costs is None:
@@ -102,4 +105,4 @@ class ShapeSplit:
                 best, best_s = k, split_s
         if best == 0 or best_s >= GAIN * one_s:
             return whole
-        return [sorted(order[:best]), sorted(order[best:])]
+        return [sorted(order[best:]), sorted(order[:best])]  # the wide rows first

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -537,29 +538,21 @@ class AsyncTransformer(AsyncLM):
         for index, group in enumerate(groups):
             try:
                 await self._run_forward([batch[i] for i in group])
-            except asyncio.CancelledError:
-                for i in (i for later in groups[index + 1 :] for i in later):
-                    query, row = batch[i]
-                    self._cache.release(row.dest)
-                    self._fail(query, Cancelled("the backend closed during the forward pass"))
+            except asyncio.CancelledError:  # this forward's queries and the later ones'
+                left = [batch[i] for later in groups[index:] for i in later]
+                self._abandon(left, lambda: Cancelled("the backend closed during the forward pass"))
                 raise
 
     async def _run_forward(self, batch: list[tuple[_Query, Row]]) -> None:
-        """One forward of `batch` on the forward thread; resolve its futures on every path."""
+        """One forward of `batch` on the forward thread; resolve its futures unless cancelled
+        (the caller resolves them then)."""
         rows = [row for _, row in batch]
         loop = asyncio.get_running_loop()
         try:
             outputs = await loop.run_in_executor(self._executor, self._compute, rows)
-        except asyncio.CancelledError:
-            for query, row in batch:
-                self._cache.release(row.dest)
-                self._fail(query, Cancelled("the backend closed during the forward pass"))
-            raise
         except Exception as exc:  # the forward thread is gone; `run_rows` catches the rest
             logger.error("a forward of %d rows could not run", len(batch), exc_info=exc)
-            for query, row in batch:
-                self._cache.release(row.dest)
-                self._fail(query, model_error(exc))
+            self._abandon(batch, functools.partial(model_error, exc))
             return
         self._drop_unfit_pool()
         for (query, row), output in zip(batch, outputs, strict=True):
@@ -568,6 +561,13 @@ class AsyncTransformer(AsyncLM):
                 self._fail(query, model_error(output))
             else:
                 self._finish(query, output)
+
+    def _abandon(self, batch: list[tuple[_Query, Row]], error: Callable[[], BaseException]) -> None:
+        """Give back the slots reserved for `batch`'s new KV and fail its queries (an error
+        each: a future's exception carries its own traceback)."""
+        for query, row in batch:
+            self._cache.release(row.dest)
+            self._fail(query, error())
 
     def _drop_unfit_pool(self) -> None:
         """Run without KV reuse from now on if a forward found the model's KV layout unfit."""

@@ -492,7 +492,7 @@ def _reply_of(header: dict[str, Any], payload: Any) -> Reply:
             size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
             if not size % _ITEMSIZES[dtype]:
                 return Reply(request_id, payload, dtype, cached=cached)
-        elif type(claim) is str and payload is None:
+        elif type(claim) is str and claim and payload is None:
             return Reply(request_id, None, dtype, cached=cached, claim=claim)
     return _decode_reply_checked(header, payload)
 
@@ -513,7 +513,10 @@ def _decode_reply_checked(header: dict[str, Any], payload: Any) -> Reply:
         if "claim" in header:
             if payload is not None:
                 raise MalformedMessage("a claim-check reply carries a payload too")
-            return Reply(request_id, None, dtype, cached=cached, claim=_field(header, "claim", str))
+            claim = _field(header, "claim", str)
+            if not claim:
+                raise MalformedMessage("a claim-check reply names no cache key")
+            return Reply(request_id, None, dtype, cached=cached, claim=claim)
         if not isinstance(payload, bytes | memoryview):  # a view: an outcome not yet written
             raise MalformedMessage("result reply lacks its payload field 'd'")
         check_payload(payload, dtype)

@@ -92,6 +92,14 @@ def test_a_bad_packed_header_fails_its_own_reply_only():
     assert all(isinstance(r, MalformedMessage) for r in replies[1:])
 
 
+def test_a_claim_check_naming_no_key_fails_with_its_request_id():
+    """Found by the fuzz test below: an empty claim would send its client to read key ''."""
+    empty = msgpack.packb({"v": 1, "id": "c1:4", "ok": True, "dtype": "float32", "claim": ""})
+    (reply,) = decode_packed({b"p": b"\x91" + empty})
+    assert isinstance(reply, MalformedMessage) and reply.data == {"request_id": "c1:4"}
+    assert "names no cache key" in reply.message
+
+
 @pytest.mark.parametrize(
     "fields",
     [

@@ -36,7 +36,7 @@ from .adapter_choice import AdapterChoice
 from .reply_reader import server_run_id
 from .request_channel import RequestChannel
 from .sync_portal import SyncFacade
-from .tensors import as_array, as_tensor, to_float32_array, to_float32_tensor
+from .tensors import as_array, as_tensor, to_result_array, to_result_tensor
 
 if TYPE_CHECKING:  # imported with the first tensor made: a numpy-only program never loads it
     import torch
@@ -55,7 +55,8 @@ class QueueLM(SyncFacade, AsyncLM):
     Create it with ``await QueueLM.connect(model, redis_url=...)`` (or ``async with``), and
     ``await lm.close()`` when done. Results are float32 CPU tensors of length
     ``info.vector_size``, whatever dtype they travelled in, or float32 numpy arrays from the
-    ``*_numpy`` methods (torch is then never imported).
+    ``*_numpy`` methods (torch is then never imported); float16 ones where the client asked
+    for them (``wire_dtype="float16", half_results=True``).
     """
 
     backend_name = "queue"
@@ -221,7 +222,8 @@ class QueueLM(SyncFacade, AsyncLM):
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Log-probabilities of the next token after `token_ids` (float32, CPU).
+        """Log-probabilities of the next token after `token_ids` (float32, CPU; float16 with
+        ``half_results``).
 
         `lora_name` names a LoRA adapter served for the model (default: the client's own).
         """
@@ -229,7 +231,7 @@ class QueueLM(SyncFacade, AsyncLM):
         if found is not None:
             return as_tensor(found)
         vector = await self._ask(key)
-        tensor = to_float32_tensor(vector)
+        tensor = to_result_tensor(vector, self.settings.half_results)
         self.local_cache[key] = tensor
         return tensor
 
@@ -241,7 +243,7 @@ class QueueLM(SyncFacade, AsyncLM):
         if found is not None:
             return as_array(found)
         vector = await self._ask(key)
-        array = to_float32_array(vector)
+        array = to_result_array(vector, self.settings.half_results)
         self.local_cache[key] = array
         return array
 
@@ -252,7 +254,10 @@ class QueueLM(SyncFacade, AsyncLM):
         rows = await asyncio.gather(
             *(self.next_token_logprobs_numpy(ids, lora_name) for ids in token_ids_list)
         )
-        return np.stack(rows) if rows else np.empty((0, self.vector_size), np.float32)
+        if rows:
+            return np.stack(rows)
+        dtype = np.float16 if self.settings.half_results else np.float32
+        return np.empty((0, self.vector_size), dtype)
 
     async def _lookup(
         self, token_ids: Sequence[int], lora_name: str | None

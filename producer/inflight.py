@@ -67,8 +67,15 @@ class Pending:
 class InflightTable:
     """Pending requests by id and by dedup key, with deadlines on the running loop."""
 
-    def __init__(self, client_id: str, on_settled: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        on_settled: Callable[[], None] | None = None,
+        keep_float16: bool = False,
+    ) -> None:
         self.client_id = client_id
+        #: Whether float16 results are handed out as they came (``half_results``), not widened.
+        self.keep_float16 = keep_float16
         #: Called once for every request that settles, however it settles.
         self.on_settled = on_settled
         self._by_id: dict[str, Pending] = {}
@@ -157,7 +164,7 @@ class InflightTable:
         if reply.error is not None:
             self._settle(pending, error=reply.error)
         else:  # the reply thread widened it already; other paths' 16-bit vectors are widened here
-            self._settle(pending, value=widened(reply).vector())
+            self._settle(pending, value=widened(reply, self.keep_float16).vector())
         return True
 
     def fail(self, request_id: str, error: LMQueueError) -> None:

@@ -37,6 +37,7 @@ class ReplyThread:
         replies: where the reply stream is (the queue instance).
         cache: where claimed vectors are (None: claims are not resolved here).
         read_timeout_s: a read that makes no progress this long fails (beyond its block).
+        keep_float16: hand float16 vectors out as they came (`widened`).
     """
 
     def __init__(
@@ -46,8 +47,11 @@ class ReplyThread:
         claims: ClaimResolver,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 11.0,
+        keep_float16: bool = False,
     ) -> None:
         self.claims = claims
+        #: Whether float16 vectors stay float16 (the client's ``half_results``).
+        self.keep_float16 = keep_float16
         self.replies = RespSocket(replies, connect_timeout_s, read_timeout_s)
         self.cache = RespSocket(cache, connect_timeout_s, claims.timeout_s) if cache else None
         self._thread = JobThread("lmq-replies")
@@ -99,7 +103,8 @@ class ReplyThread:
             found, batch.missed = self.claims.match(batch.claims, self._mget(batch.claims))
             batch.ready.extend(found)
             batch.found, batch.claims = len(found), []
-        batch.ready = [widened(reply) for reply in batch.ready]
+        keep = self.keep_float16
+        batch.ready = [widened(reply, keep) for reply in batch.ready]
         return batch
 
     def _mget(self, claims: list[Any]) -> list[Any]:

@@ -86,7 +86,9 @@ class RequestChannel:
             keys = keys.for_tenant(keys.tenant, cache_namespace)
         stall_timeout_s = settings.redis.stall_timeout_s
         self.permits = InflightPermits(settings.max_inflight)
-        self.inflight = InflightTable(self.client_id, on_settled=self.permits.release)
+        self.inflight = InflightTable(
+            self.client_id, on_settled=self.permits.release, keep_float16=settings.half_results
+        )
         #: The model's adapter records, kept current in place (`set_adapters`) for the cache.
         self._adapter_records: dict[str, AdapterRecord] = {}
         shared = (
@@ -145,7 +147,7 @@ class RequestChannel:
         redis_settings = settings.redis
         return ReplyThread(
             replies, cache, self.claims, redis_settings.connect_timeout_s,
-            _BLOCK_S + redis_settings.stall_timeout_s,
+            _BLOCK_S + redis_settings.stall_timeout_s, keep_float16=settings.half_results,
         )  # fmt: skip
 
     def _admissions(self, info: ModelInfo) -> list[Admission]:
@@ -199,7 +201,8 @@ class RequestChannel:
         """Submit (or join) one request and wait for its result vector.
 
         The vector is as it travelled, except that float16 and bfloat16 ones come widened to
-        float32; a writable one is the first caller's own, later callers get copies.
+        float32 (float16 ones not, with ``half_results``); a writable one is the first
+        caller's own, later callers get copies.
 
         Args: the prompt's key (its adapter and token bytes), the kind (``logprobs`` or
         ``mass``), the wire dtype, and for masses the `Request` fields ``mass_op``,

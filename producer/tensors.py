@@ -1,4 +1,5 @@
-"""What a caller gets from a vector as it came off the wire: a float32 tensor, or an array.
+"""What a caller gets from a vector as it came off the wire: a float32 tensor, or an array
+(float16 ones as they travelled, where the client keeps half results: ``half_results``).
 
 torch is imported on the first tensor made, not with this module: a program that asks only
 for numpy arrays (`QueueLM.next_token_logprobs_numpy`) never loads it (~200 MiB of RSS).
@@ -17,7 +18,10 @@ from lmqueue.shared.wire import Reply, cast_in_chunks
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["to_float32_tensor", "to_float32_array", "as_tensor", "as_array", "widened"]
+__all__ = [
+    "to_float32_tensor", "to_float32_array", "to_result_tensor", "to_result_array", "as_tensor",
+    "as_array", "widened",
+]  # fmt: skip
 
 
 def to_float32_tensor(vector: np.ndarray) -> torch.Tensor:
@@ -54,9 +58,25 @@ def to_float32_array(vector: np.ndarray) -> np.ndarray:
     return vector.astype(np.float32)
 
 
-def widened(reply: Reply) -> Reply:
+def to_result_tensor(vector: np.ndarray, keep_float16: bool = False) -> torch.Tensor:
+    """`to_float32_tensor`, or with `keep_float16` a float16 vector's own float16 tensor."""
+    if keep_float16 and vector.dtype == _HALF and _NATIVE:
+        import torch
+
+        return torch.from_numpy(vector if vector.flags.writeable else vector.copy())
+    return to_float32_tensor(vector)
+
+
+def to_result_array(vector: np.ndarray, keep_float16: bool = False) -> np.ndarray:
+    """`to_float32_array`, or with `keep_float16` a float16 vector as a writable array."""
+    if keep_float16 and vector.dtype == _HALF:
+        return vector if vector.flags.writeable else vector.copy()
+    return to_float32_array(vector)
+
+
+def widened(reply: Reply, keep_float16: bool = False) -> Reply:
     """`reply` with a float16 or bfloat16 vector widened to a float32 one of its own (others
-    as they are).
+    as they are; float16 ones too with `keep_float16`: a client keeping half results).
 
     The client's reply thread calls it, so callers on the event loop get float32 vectors they
     can take over as they are. float16: torch converts (serially, on a thread of lmqueue's
@@ -66,6 +86,8 @@ def widened(reply: Reply) -> Reply:
     """
     payload = reply.payload
     if payload is None or not _NATIVE or reply.dtype not in ("float16", "bfloat16"):
+        return reply
+    if keep_float16 and reply.dtype == "float16":
         return reply
     if reply.dtype == "bfloat16":
         bits = np.frombuffer(payload, dtype=np.uint16)

@@ -349,9 +349,13 @@ class ClientSettings:
     redis: RedisSettings = field(default_factory=RedisSettings)
     #: Seconds from submission to a request's deadline; 0 waits forever.
     timeout_s: float = 120.0
-    #: Dtype of result vectors on the wire; results are always handed out as float32.
+    #: Dtype of result vectors on the wire; results are handed out as float32 (but see below).
     #: float16 and bfloat16 halve the bytes (bfloat16: float32's range, ~8x float16's error).
     wire_dtype: str = "float32"
+    #: With ``wire_dtype="float16"``: hand results out as the float16 vectors they travelled as,
+    #: not widened to float32 (the same values; the widening is a third of such a client's CPU
+    #: a reply: BENCHMARKS.md, transport). For programs whose arithmetic on them is float16-safe.
+    half_results: bool = False
     local_cache_size: int = 256
     use_shared_cache: bool = True
     #: Reuse the memory of freed vectors (glibc's thresholds, process-wide: shared/heap_reuse.py).
@@ -367,6 +371,11 @@ class ClientSettings:
         if self.wire_dtype not in ("float32", "float16", "bfloat16"):
             raise SettingsError(
                 f"wire_dtype={self.wire_dtype!r}: expected float32, float16 or bfloat16"
+            )
+        if self.half_results and self.wire_dtype != "float16":
+            raise SettingsError(
+                f"half_results needs wire_dtype='float16' (not {self.wire_dtype!r}): results "
+                "are handed out as they travelled, and only float16 vectors travel as float16"
             )
         _require_positive(self, "max_inflight", "read_count")
         _require_non_negative(

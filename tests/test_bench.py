@@ -37,18 +37,19 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
     argv = ["transport", *flags.split(), "--out-dir", str(tmp_path)]
     assert bench_main(argv) == 0
     result = _result(tmp_path, "transport")
-    for config in ("probe", "defaults", "inline", "no_cache"):
+    for config in ("probe", "defaults", "inline", "no_cache", "half_results"):
         window = result["figures"][f"float16.{config}"]
         assert window["replies"] > 0
         assert window["replies_per_s"] > 0
         assert set(window["cpu_us_per_reply"]) == {"client", "worker", "redis"}
     assert result["figures"]["float16.inline.client_stats"]["claims_resolved"] == 0
-    configs = ("float16.defaults", "float16.inline", "float16.no_cache")
+    configs = ("float16.defaults", "float16.inline", "float16.no_cache", "float16.half_results")
     assert set(result["ratios"]) == {*configs, *(f"{c}.cpu" for c in configs)}
     assert all(ratio > 0 for ratio in result["ratios"].values())
     last = _last_line(capsys.readouterr().out)
     assert last == result["summary"]
     assert last.startswith("transport ratio lmqueue/raw-probe: float16")
+    assert "(half results)" in last
 
 
 def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(

@@ -127,6 +127,21 @@ async def test_float16_claims_resolve_to_float32_tensors(backend, redis_url):
     assert out.dtype == torch.float32 and np.array_equal(out.numpy(), half)
 
 
+async def test_float16_claims_stay_float16_with_half_results(backend, redis_url):
+    async with serving(backend, redis_url):
+        async with await QueueLM.connect(
+            "mock", redis_url=redis_url, wire_dtype="float16", half_results=True
+        ) as lm:
+            out = await lm.next_token_logprobs([9, 9, 8])
+            assert lm.stats["claims_resolved"] == 1
+            lm.channel.reader.pipe = lm.channel.claims.pipe = lm.channel.reader.thread = None
+            through_redis_py = await lm.next_token_logprobs([9, 9, 7])  # rediss:// URLs' path
+            assert lm.stats["claims_resolved"] == 2
+    for tensor, prompt in ((out, [9, 9, 8]), (through_redis_py, [9, 9, 7])):
+        half = backend.logprobs_of(prompt).numpy().astype(np.float16)
+        assert tensor.dtype == torch.float16 and np.array_equal(tensor.numpy(), half)
+
+
 class _Evicting:
     """Cache clients whose keys are evicted between the worker's SET and the client's GET."""
 

@@ -107,6 +107,28 @@ async def test_float16_on_the_wire_is_handed_out_as_float32(worker, redis_url, b
     assert (out - backend.logprobs_of([9, 9])).abs().max() < 0.01
 
 
+async def test_half_results_are_the_float16_vectors_as_they_travelled(worker, redis_url, backend):
+    """With ``half_results`` nothing is widened: tensors and arrays are float16, the backend's
+    float32 rows rounded to nearest even once (by the worker), each caller's own memory."""
+    prompts = [[9, 7, n] for n in range(6)]
+    expected = torch.stack([backend.logprobs_of(p).to(torch.float16) for p in prompts])
+    async with await QueueLM.connect(
+        "mock", redis_url=redis_url, wire_dtype="float16", half_results=True
+    ) as lm:
+        out = await lm.batch_next_token_logprobs(prompts)
+        twins = await asyncio.gather(*(lm.next_token_logprobs([4, 4, 4]) for _ in range(3)))
+        arrays = await lm.batch_next_token_logprobs_numpy([[8, 1], prompts[0]])
+        empty = await lm.batch_next_token_logprobs_numpy([])
+    assert out.dtype == torch.float16 and torch.equal(out, expected)
+    assert all(t.dtype == torch.float16 for t in twins)
+    assert all(torch.equal(t, backend.logprobs_of([4, 4, 4]).half()) for t in twins)
+    assert len({t.data_ptr() for t in twins}) == 3  # joined callers get copies
+    assert arrays.dtype == np.float16 and arrays.flags.writeable
+    assert np.array_equal(arrays[0], backend.logprobs_of([8, 1]).numpy().astype(np.float16))
+    assert np.array_equal(arrays[1], expected[0].numpy())  # from the local cache
+    assert empty.shape == (0, 49152) and empty.dtype == np.float16
+
+
 async def test_identical_concurrent_calls_share_one_request(lm):
     results = await asyncio.gather(*(lm.next_token_logprobs([4, 2]) for _ in range(20)))
     assert lm.stats["sent"] == 1

@@ -58,6 +58,15 @@ def test_client_settings_check_the_wire_dtype():
         ClientSettings.from_env({"LMQ_WIRE_DTYPE": "int8"})
 
 
+def test_half_results_need_float16_on_the_wire():
+    env = {"LMQ_WIRE_DTYPE": "float16", "LMQ_HALF_RESULTS": "1"}
+    assert ClientSettings.from_env(env).half_results is True
+    assert ClientSettings().half_results is False
+    for wire in ("float32", "bfloat16"):
+        with pytest.raises(SettingsError, match=f"half_results needs wire_dtype='float16'.*{wire}"):
+            ClientSettings.from_env({**env, "LMQ_WIRE_DTYPE": wire})
+
+
 def test_the_cache_role_defaults_to_the_queue_instance():
     settings = RedisSettings.from_url("redis://q:1/0")
     assert settings.effective_cache_url == "redis://q:1/0"

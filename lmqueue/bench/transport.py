@@ -2,7 +2,7 @@
 
 The mock backend does no compute (``distinct_vectors``: vectors precomputed once), so what is
 measured is the queue: the client, the worker's read-decode-encode-write loop and Redis. Each
-dtype runs three configurations, interleaved, in one run:
+dtype runs these configurations, one after another, in one run:
 
 * ``probe``: redis-py alone moving the same payloads in the same process layout (`probe`);
 * ``defaults``: lmqueue as shipped, worker writing every result to a separate LRU cache
@@ -10,7 +10,9 @@ dtype runs three configurations, interleaved, in one run:
   results travel as claim-checks (the cache key; the client fetches the vector there);
 * ``inline``: the same workers and cache, the client asking for no claim-checks, so each
   fresh result travels inline besides its cache entry (what claim-checks save or cost);
-* ``no_cache``: cache writes off (``LMQ_CACHE_WRITES=0``) and ``use_shared_cache=False``.
+* ``no_cache``: cache writes off (``LMQ_CACHE_WRITES=0``) and ``use_shared_cache=False``;
+* ``half_results`` (float16 only): the defaults, the client handing results out as float16
+  (``half_results``) instead of widening each to float32: what the float32 results cost.
 
 ``--no-resp-pipe`` makes the clients of this process receive replies and claim-checks through
 redis-py instead of `producer.resp_pipe.RespPipe` (as over TLS), to measure what that
@@ -83,8 +85,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for dtype in wire_dtypes(args):
         defaults, no_cache = ratios[f"{dtype}.defaults"], ratios[f"{dtype}.no_cache"]
         inline = ratios[f"{dtype}.inline"]
+        half = ratios.get(f"{dtype}.half_results")
         parts.append(f"{dtype} {defaults:.2f}x (defaults) {inline:.2f}x (inline) "
-                     f"{no_cache:.2f}x (cache writes off)")  # fmt: skip
+                     f"{no_cache:.2f}x (cache writes off)"
+                     + (f" {half:.2f}x (half results)" if half is not None else ""))  # fmt: skip
     headline = {k: v for k, v in ratios.items() if not k.endswith(".cpu")}
     pipe = "" if args.resp_pipe else " (RespPipe off: redis-py)"
     summary = f"transport ratio lmqueue/raw-probe{pipe}: " + "; ".join(parts) + "  [target >= 0.9x]"
@@ -126,6 +130,12 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
             "defaults": (workers_a, pids_a, defaults, True),
             "inline": (workers_a, pids_a, defaults, False),
             "no_cache": (workers_b, [server_pid(queue_b)], no_cache, True),
+            "half_results": (
+                workers_a,
+                pids_a,
+                replace(defaults, wire_dtype="float16", half_results=True),
+                True,
+            ),
         }
         for workers, _, settings, _ in configs.values():
             await wait_for_workers(settings.redis.url, args.model, workers)
@@ -140,6 +150,8 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
             probe = record_window(report, f"{dtype}.probe", window, size * WIRE_BYTES[dtype])
             for offset, (name, config) in enumerate(configs.items()):
                 workers, redis_pids, settings, claims = config
+                if settings.half_results and dtype != "float16":
+                    continue
                 pids = {"client": [os.getpid()], "worker": [w.pid for w in workers]}
                 meter = CpuMeter({**pids, "redis": redis_pids})
                 lm = await connect_client(args.model, replace(settings, wire_dtype=dtype), workers)

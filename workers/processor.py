@@ -272,7 +272,9 @@ class BatchProcessor:
         wanted: dict[PromptKey, set[str]] = {}
         for job in jobs:
             wanted.setdefault(job.prompt, set()).add(_vector_dtype(job.request))
-        payloads = await self._cached_payloads(wanted)
+        #: (prompt, dtype) -> its cache key, made once (a digest each) for the lookup and the write
+        cache_keys = self._cache_keys(wanted)
+        payloads = await self._cached_payloads(cache_keys)
         missing = sorted(
             prompt
             for prompt, dtypes in wanted.items()
@@ -296,8 +298,8 @@ class BatchProcessor:
             for dtype in wanted[prompt]:
                 payload = deferred_payload(result, dtype)  # converted on the writer thread
                 payloads[(prompt, dtype)] = payload
-                if self.cache is not None:
-                    key = self.cache.key_of(prompt, dtype)
+                key = cache_keys.get((prompt, dtype))
+                if key is not None:
                     written[(prompt, dtype)] = key
                     outcome.cache_puts.append((key, payload))
         masses = []  # computed together: whole-vector masses share one bulk trie call
@@ -322,16 +324,21 @@ class BatchProcessor:
                 )
         await asyncio.gather(*masses)
 
+    def _cache_keys(self, wanted: dict[PromptKey, set[str]]) -> dict[tuple[PromptKey, str], str]:
+        """The shared-cache key of every (prompt, dtype) wanted, sorted; none without a cache."""
+        cache = self.cache
+        if cache is None:
+            return {}
+        pairs = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
+        return {pair: cache.key_of(*pair) for pair in pairs}
+
     async def _cached_payloads(
-        self, wanted: dict[PromptKey, set[str]]
+        self, cache_keys: dict[tuple[PromptKey, str], str]
     ) -> dict[tuple[PromptKey, str], Payload]:
         if self.cache is None:
             return {}
-        keys = sorted((prompt, dtype) for prompt, dtypes in wanted.items() for dtype in dtypes)
-        values = await self.cache.get_many(
-            [self.cache.key_of(prompt, dtype) for prompt, dtype in keys],
-            [dtype for _, dtype in keys],
-        )
+        keys = list(cache_keys)
+        values = await self.cache.get_many(list(cache_keys.values()), [dtype for _, dtype in keys])
         found: dict[tuple[PromptKey, str], Payload] = {
             key: value for key, value in zip(keys, values, strict=True) if value is not None
         }

@@ -21,6 +21,9 @@ from .options import check_options
 
 __all__ = ["MockAsyncLM"]
 
+#: A row of a batch: its prompt's token ids and its adapter (None: the base model).
+_Row = tuple[list[int], str | None]
+
 
 class MockAsyncLM(AsyncLM):
     """Log-probabilities drawn from a generator seeded by the exact token tuple.
@@ -82,7 +85,8 @@ class MockAsyncLM(AsyncLM):
         self.oom_batch_size = oom_batch_size
         self._vectors = [self._vector_of_seed(seed) for seed in range(distinct_vectors)]
         self.batch_sizes: list[int] = []
-        self._waiting: list[tuple[list[int], str | None, asyncio.Future[torch.Tensor]]] = []
+        #: Calls waiting for the next batch: their rows, and the future of the rows' results.
+        self._waiting: list[tuple[list[_Row], asyncio.Future[list[Any]]]] = []
         #: Loaded adapters: name -> the seed of its perturbation (its files' digest).
         self._adapter_seeds: dict[str, bytes] = {}
         self._busy: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
@@ -173,28 +177,27 @@ class MockAsyncLM(AsyncLM):
     ) -> torch.Tensor:
         ids = self.check_prompt(token_ids)
         check_loaded_adapter(lora_name, self.adapter_names)
-        future: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-        self._waiting.append((ids, lora_name, future))
-        async with self._batch_lock():
-            if not future.done():
-                await self._run_batch()
-        return await future
+        (result,) = await self._call([(ids, lora_name)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     async def logprobs_batch(
         self, prompts: Sequence[tuple[str | None, Sequence[int]]]
     ) -> list[torch.Tensor | BaseException]:
         """The prompts as one batch (joined by calls of the same instant), each row's result or
         error in order. Prompts are not validated again (the worker did)."""
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[torch.Tensor]] = []
-        for adapter, ids in prompts:
-            future: asyncio.Future[torch.Tensor] = loop.create_future()
-            futures.append(future)
-            self._waiting.append((list(ids), adapter, future))
+        return await self._call([(list(ids), adapter) for adapter, ids in prompts])
+
+    async def _call(self, rows: list[_Row]) -> list[Any]:
+        """Each row's result or error, computed in the next batch (one future per call, not
+        per row: transport benchmarks charge the mock's own CPU to the queue)."""
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((rows, future))
         async with self._batch_lock():
-            if not all(future.done() for future in futures):
+            if not future.done():
                 await self._run_batch()
-        return list(await asyncio.gather(*futures, return_exceptions=True))
+        return await future
 
     def _batch_lock(self) -> asyncio.Lock:
         """The lock serializing batches on the running loop (tests use several loops)."""
@@ -207,38 +210,40 @@ class MockAsyncLM(AsyncLM):
         """Take every waiting call as one batch; on interruption hand them to the next leader."""
         await asyncio.sleep(0)  # let callers of this same instant join
         batch, self._waiting = self._waiting, []
+        rows = [row for call_rows, _ in batch for row in call_rows]
         try:
-            delay_s = self.batch_delay_s + self.token_delay_s * sum(len(b[0]) for b in batch)
+            delay_s = self.batch_delay_s + self.token_delay_s * sum(len(ids) for ids, _ in rows)
             if delay_s:
                 await asyncio.sleep(delay_s)
         except BaseException:
             self._waiting[:0] = batch
             raise
-        self.batch_sizes.append(len(batch))
+        self.batch_sizes.append(len(rows))
         try:
-            self._check_poison([ids for ids, _, _ in batch])
-            results: list[Any] = [self._row(ids, name) for ids, name, _ in batch]
+            self._check_poison([ids for ids, _ in rows])
+            loaded = self.adapter_names
+            results: list[Any] = [self._row(ids, name, loaded) for ids, name in rows]
         except (ModelError, torch.OutOfMemoryError) as exc:
-            results = [exc] * len(batch)
-        for (_, _, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            results = [exc] * len(rows)
+        start = 0
+        for call_rows, future in batch:
+            end = start + len(call_rows)
+            if not future.done():
+                future.set_result(results[start:end])
+            start = end
 
-    def _row(self, ids: list[int], lora_name: str | None) -> Any:
+    def _row(self, ids: list[int], lora_name: str | None, loaded: frozenset[str]) -> Any:
         """One row's vector, or its own error (an adapter unloaded while it waited).
 
         Its prompt is not validated again: a call checked it on arrival, and the worker checks
         a batch's before `logprobs_batch` (as the hf backend trusts it to); a second check was
         the mock's own CPU, which transport benchmarks charged to the queue.
         """
-        try:
-            check_loaded_adapter(lora_name, self.adapter_names)
-        except UnknownAdapter as exc:
-            return exc
+        if lora_name is not None:
+            try:
+                check_loaded_adapter(lora_name, loaded)
+            except UnknownAdapter as exc:
+                return exc
         return self._vector(ids, lora_name)
 
     def _check_poison(self, prompts: list[list[int]]) -> None:

@@ -27,8 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -44,7 +43,7 @@ from lmqueue.shared.errors import (
 )
 from lmqueue.shared.keys import validate_client_id
 from lmqueue.shared.lm.interface import AsyncLM
-from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.lm.validation import check_token_bytes
 from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.shared_cache import SharedCache
@@ -90,9 +89,9 @@ class MassComputer(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """An admitted request, the entry it came from, and what it computes."""
+class _Job(NamedTuple):
+    """An admitted request, the entry it came from, and what it computes (a tuple: made once
+    a request, on the worker's loop)."""
 
     entry: Entry
     request: Request
@@ -254,7 +253,7 @@ class BatchProcessor:
             )
         if request.deadline_ms and request.deadline_ms < now_ms:
             raise DeadlineExceeded("the request's deadline passed before a worker took it")
-        check_prompt(request.tokens, self.backend.vocab_size, self.max_prompt_tokens)
+        check_token_bytes(request.token_bytes, self.backend.vocab_size, self.max_prompt_tokens)
         if request.kind == "mass" and self.mass_computer is None:
             raise BadRequest("this worker serves no trie mass requests")
         if request.adapter is not None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
 
-__all__ = ["check_prompt", "check_loaded_adapter"]
+__all__ = ["check_prompt", "check_token_bytes", "check_loaded_adapter"]
 
 #: Prompts up to this long are checked with Python's min and max (most calls of a program).
 _SMALL = 64
@@ -48,8 +48,28 @@ def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.nda
             ids = ids.astype(np.int64)
         else:
             raise TokenOutOfVocabulary(f"token ids must be integers, got {ids.dtype} values")
-    if ids.size <= _SMALL:  # numpy's reductions cost ~3 us each to dispatch; a list's do not
-        small = token_ids if isinstance(token_ids, list) else ids.tolist()
+    small_list = isinstance(token_ids, list) and ids.size <= _SMALL  # reduced as it is
+    _check_ids(token_ids if small_list else ids, vocab_size, max_tokens)
+    return ids.astype(np.int32, copy=False)
+
+
+def check_token_bytes(token_bytes: bytes, vocab_size: int, max_tokens: int = 0) -> None:
+    """`check_prompt` of a prompt as the wire carries it (little-endian int32 bytes, whole
+    ids: `shared.wire` checked the length), without converting a sequence of any type first.
+
+    Raises:
+        EmptyPrompt, TokenOutOfVocabulary, PromptTooLong: as `check_prompt` does.
+    """
+    if len(token_bytes) < 4:
+        raise EmptyPrompt("the prompt has no tokens (an empty text encodes to none)")
+    _check_ids(np.frombuffer(token_bytes, dtype="<i4"), vocab_size, max_tokens)
+
+
+def _check_ids(ids: Any, vocab_size: int, max_tokens: int) -> None:
+    """Range and length of a non-empty integer array of ids (or a list of at most `_SMALL`)."""
+    size = len(ids)
+    if size <= _SMALL:  # numpy's reductions cost ~3 us each to dispatch; a list's do not
+        small = ids if isinstance(ids, list) else ids.tolist()
         lo, hi = int(min(small)), int(max(small))
     else:
         lo, hi = int(ids.min()), int(ids.max())
@@ -60,13 +80,12 @@ def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.nda
             token_id=bad,
             vocab_size=vocab_size,
         )
-    if max_tokens and ids.size > max_tokens:
+    if max_tokens and size > max_tokens:
         raise PromptTooLong(
-            f"prompt of {ids.size} tokens exceeds the limit of {max_tokens}",
-            length=int(ids.size),
+            f"prompt of {size} tokens exceeds the limit of {max_tokens}",
+            length=int(size),
             limit=max_tokens,
         )
-    return ids.astype(np.int32, copy=False)
 
 
 def _is_int(value: Any) -> bool:

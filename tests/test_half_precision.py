@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from lmqueue.producer.tensors import to_float32_tensor, widened
-from lmqueue.shared.wire import Reply, bytes_to_vector, vector_payload, vector_to_bytes
+from lmqueue.shared.wire import (
+    DeferredPayload,
+    Reply,
+    bytes_to_vector,
+    vector_payload,
+    vector_to_bytes,
+)
 
 
 def _awkward_float32s() -> np.ndarray:
@@ -100,9 +106,26 @@ def test_bfloat16_keeps_torchs_rounding_and_widens_back_exactly():
     assert got.flags.writeable  # a vector of its own, for the caller to take over
 
 
+def test_a_mock_converts_each_shared_vector_once_to_the_bytes_any_backend_sends(smol_tokenizer):
+    from lmqueue.workers.backends.mock import MockAsyncLM
+
+    backend = MockAsyncLM(smol_tokenizer, distinct_vectors=2)
+    shared = backend.logprobs_of([1, 2, 3])
+    for dtype in ("float16", "bfloat16", "float64"):
+        first = backend.wire_payload(shared, dtype)
+        assert bytes(first) == bytes(vector_payload(shared, dtype))
+        assert backend.wire_payload(shared, dtype) is first  # made once, then handed out
+        assert first.readonly  # shared by every reply that carries it
+    assert bytes(backend.wire_payload(shared, "float32")) == shared.numpy().tobytes()
+    own = shared.clone()  # equal values, not the shared vector: converted on the writer thread
+    assert isinstance(backend.wire_payload(own, "float16"), DeferredPayload)
+    assert isinstance(MockAsyncLM(smol_tokenizer).wire_payload(shared, "float16"), DeferredPayload)
+
+
+@pytest.mark.parametrize("distinct_vectors", [0, 2])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 async def test_16_bit_replies_reach_callers_as_float32_through_every_read_path(
-    smol_tokenizer, redis_url, dtype
+    smol_tokenizer, redis_url, dtype, distinct_vectors
 ):
     from lmqueue.producer import QueueLM
     from lmqueue.shared.connections import async_redis
@@ -110,7 +133,7 @@ async def test_16_bit_replies_reach_callers_as_float32_through_every_read_path(
     from lmqueue.workers.backends.mock import MockAsyncLM
     from lmqueue.workers.worker import Worker
 
-    backend = MockAsyncLM(smol_tokenizer)
+    backend = MockAsyncLM(smol_tokenizer, distinct_vectors=distinct_vectors)
     settings = WorkerSettings(
         model="mock", backend="mock", name="half-worker", redis=RedisSettings(url=redis_url)
     )

@@ -50,7 +50,6 @@ from lmqueue.shared.shared_cache import SharedCache
 from lmqueue.shared.wire import (
     Request,
     bytes_to_vector,
-    deferred_payload,
     payload_bytes,
     vector_payload,
 )
@@ -290,12 +289,13 @@ class BatchProcessor:
             self.metrics.observe_forward(time.perf_counter() - started)
         #: (prompt, dtype) -> the cache key its payload is being written under
         written: dict[tuple[PromptKey, str], str] = {}
+        backend = self.backend
         for prompt in missing:
             result = computed[prompt]
             if isinstance(result, BaseException):
                 continue
             for dtype in wanted[prompt]:
-                payload = deferred_payload(result, dtype)  # converted on the writer thread
+                payload = backend.wire_payload(result, dtype)  # deferred: the writer converts
                 payloads[(prompt, dtype)] = payload
                 key = cache_keys.get((prompt, dtype))
                 if key is not None:

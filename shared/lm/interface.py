@@ -141,6 +141,20 @@ class AsyncLM(ABC):
         ]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
+    def wire_payload(self, logprobs: torch.Tensor, dtype: str) -> Any:
+        """`logprobs` (a row `logprobs_batch` returned) in wire dtype `dtype`, as the worker
+        replies with it and writes it to the shared cache.
+
+        By default float32 goes out as a view of the row and a 16-bit dtype is converted later,
+        on the worker's writer thread (`shared.wire.deferred_payload`): a conversion the CPU
+        pays for every reply. A backend that holds the row's bytes in that dtype already
+        (narrowed where it was computed, or precomputed) returns them instead; they must be
+        exactly the default's bytes, so a reply is the same whichever made it.
+        """
+        from lmqueue.shared.wire import deferred_payload
+
+        return deferred_payload(logprobs, dtype)
+
     def reused_tokens(self, prompts: Iterable[tuple[str | None, Sequence[int]]]) -> int:
         """How many of `prompts`' positions a forward now would not compute: a stored result
         (all of its prompt) or a stored past (KV) that the prompt extends. 0 by default (a

@@ -15,7 +15,7 @@ from lmqueue.shared.adapters import adapter_revision
 from lmqueue.shared.errors import ModelError, SettingsError, UnknownAdapter
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.validation import check_loaded_adapter
-from lmqueue.shared.wire import ids_to_bytes
+from lmqueue.shared.wire import ids_to_bytes, vector_payload
 
 from .options import check_options
 
@@ -84,6 +84,10 @@ class MockAsyncLM(AsyncLM):
         self.crash_token = crash_token
         self.oom_batch_size = oom_batch_size
         self._vectors = [self._vector_of_seed(seed) for seed in range(distinct_vectors)]
+        #: A shared vector's place in `_vectors` by its id (they live as long as the mock).
+        self._vector_index = {id(vector): index for index, vector in enumerate(self._vectors)}
+        #: (place, wire dtype) -> a shared vector's bytes in that dtype, made on first use.
+        self._wire_bytes: dict[tuple[int, str], memoryview] = {}
         self.batch_sizes: list[int] = []
         #: Calls waiting for the next batch: their rows, and the future of the rows' results.
         self._waiting: list[tuple[list[_Row], asyncio.Future[list[Any]]]] = []
@@ -165,6 +169,20 @@ class MockAsyncLM(AsyncLM):
             return vector
         padding = torch.full((self.vector_size - self.vocab_size,), -torch.inf)
         return torch.cat([vector, padding])
+
+    def wire_payload(self, logprobs: torch.Tensor, dtype: str) -> Any:
+        """A shared vector (`distinct_vectors`) is converted to a wire dtype once, not for
+        every reply: the backend's part costs nothing in a 16-bit dtype either, as on a GPU
+        that narrows on the device (and as the transport benchmark's probe sends precomputed
+        bytes). Any other row converts as on every backend (`AsyncLM.wire_payload`)."""
+        index = self._vector_index.get(id(logprobs))
+        if dtype == "float32" or index is None or self._vectors[index] is not logprobs:
+            return super().wire_payload(logprobs, dtype)
+        payload = self._wire_bytes.get((index, dtype))
+        if payload is None:
+            payload = vector_payload(logprobs, dtype).toreadonly()
+            self._wire_bytes[(index, dtype)] = payload
+        return payload
 
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None

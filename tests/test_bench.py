@@ -7,6 +7,7 @@ never speed: timings on a shared test machine mean nothing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,27 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
     assert last == result["summary"]
     assert last.startswith("transport ratio lmqueue/raw-probe: float16")
     assert "(half results)" in last
+
+
+def test_transport_compares_each_processs_float16_cpu_with_its_float32_cpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lmqueue.bench.lib.report import Report
+    from lmqueue.bench.transport import _half_cpu_ratios
+
+    report = Report("transport", {})
+    assert _half_cpu_ratios(report) == {}  # one dtype only: nothing to compare
+    for dtype, scale in (("float32", 2.0), ("float16", 1.0)):
+        for config, worker in (("probe", 50.0), ("defaults", 120.0)):
+            cpu = {"client": 100.0 * scale, "worker": worker * scale, "redis": 0.0}
+            report.figure(f"{dtype}.{config}", {"cpu_us_per_reply": cpu})
+    report.figures["float16.defaults"]["cpu_us_per_reply"]["worker"] = 180.0
+    halves = _half_cpu_ratios(report)
+    assert halves["probe"]["client"] == 0.5 and halves["probe"]["worker"] == 0.5
+    assert halves["defaults"]["worker"] == 0.75  # 180 against 240
+    assert math.isnan(halves["defaults"]["redis"])  # no float32 CPU to compare with
+    assert report.figures["float16_over_float32_cpu"] == halves
+    assert "defaults client 0.50, worker 0.75" in _last_line(capsys.readouterr().out)
 
 
 def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(

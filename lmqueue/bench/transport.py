@@ -20,7 +20,11 @@ hand-written RESP client alone is worth: run it alternately with and without, sa
 
 Prompts are all distinct, so no reply comes from a cache or from deduplication. Besides
 replies per second, each window reports the CPU microseconds per reply of the client, the
-worker (or probe reader) and Redis, which a loaded machine distorts far less.
+worker (or probe reader) and Redis, which a loaded machine distorts far less. With both
+dtypes, each process's CPU a float16 reply over its float32 one is printed too (the probe's and
+the defaults'): half the bytes should cost about half the CPU. The mock converts each of its
+precomputed vectors to a 16-bit dtype once (`MockAsyncLM.wire_payload`), as the probe sends
+precomputed bytes and a GPU backend would narrow on its device.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -92,7 +97,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     headline = {k: v for k, v in ratios.items() if not k.endswith(".cpu")}
     pipe = "" if args.resp_pipe else " (RespPipe off: redis-py)"
     summary = f"transport ratio lmqueue/raw-probe{pipe}: " + "; ".join(parts) + "  [target >= 0.9x]"
+    halves = _half_cpu_ratios(report)
+    if halves:
+        shares = ", ".join(f"{name} {share:.2f}" for name, share in halves["defaults"].items())
+        summary += f"; float16/float32 CPU a reply, defaults: {shares}  [target about 0.5]"
     return report.finish({**headline, **ratios}, summary, args.out_dir)
+
+
+def _half_cpu_ratios(report: Report) -> dict[str, dict[str, float]]:
+    """Each process's CPU a float16 reply over its CPU a float32 one, for the probe and the
+    defaults (printed, and kept as a figure); none unless both dtypes ran.
+
+    A float16 reply is half the bytes: where bytes are the cost, about 0.5 in every process.
+    """
+    halves: dict[str, dict[str, float]] = {}
+    for config in ("probe", "defaults"):
+        wide = report.figures.get(f"float32.{config}")
+        narrow = report.figures.get(f"float16.{config}")
+        if wide is None or narrow is None:
+            return {}
+        wide_us, narrow_us = wide["cpu_us_per_reply"], narrow["cpu_us_per_reply"]
+        halves[config] = {
+            name: round(narrow_us[name] / us, 2) if us else math.nan for name, us in wide_us.items()
+        }
+    line = "; ".join(
+        f"{config} " + ", ".join(f"{name} {share:.2f}" for name, share in shares.items())
+        for config, shares in halves.items()
+    )
+    report.figure("float16_over_float32_cpu", halves, line=f"float16 / float32 CPU a reply: {line}")
+    return halves
 
 
 def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:

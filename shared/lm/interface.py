@@ -17,6 +17,7 @@ from lmqueue.shared.errors import AdaptersUnsupported
 from lmqueue.shared.lm.tokens import Token
 from lmqueue.shared.lm.validation import check_prompt
 from lmqueue.shared.lm.vocab import decode_vocab
+from lmqueue.shared.wire import deferred_payload
 
 if TYPE_CHECKING:  # torch is imported where a tensor is made: a client may never need it
     import torch
@@ -151,8 +152,6 @@ class AsyncLM(ABC):
         (narrowed where it was computed, or precomputed) returns them instead; they must be
         exactly the default's bytes, so a reply is the same whichever made it.
         """
-        from lmqueue.shared.wire import deferred_payload
-
         return deferred_payload(logprobs, dtype)
 
     def reused_tokens(self, prompts: Iterable[tuple[str | None, Sequence[int]]]) -> int:

@@ -8,6 +8,7 @@ monitor's reading of the queue Redis is checked on the session's real server.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,6 +97,37 @@ def test_a_slow_leak_is_rising_and_a_noisy_steady_series_is_flat():
     assert flatness("rss_mib:w", steady, floor=16.0).flat
     warming = [(float(t), min(t, 1000.0)) for t in range(0, 3600, 5)]  # fills, then stays
     assert flatness("cache", warming, floor=0.0).flat
+
+
+def test_a_process_restarted_at_another_level_is_judged_life_by_life():
+    """A soak's client, killed at 180 s, came back 46 MiB higher and stayed there (CI,
+    2026-11-29): over one life the step reads as a rise; a leak in each life still rises."""
+    stepped = [(float(t), 173.0 if t < 185 else 219.0) for t in range(0, 300, 5)]
+    assert not flatness("rss_mib:client", stepped, floor=16.0).flat
+    verdict = flatness("rss_mib:client", stepped, floor=16.0, breaks=[185.0])
+    assert verdict.flat and verdict.rise == 0.0 and verdict.lives == 2
+    assert "(2 lives)" in verdict.line()
+    leaking = [(float(t), 100.0 + 0.2 * (t if t < 185 else t - 185)) for t in range(0, 300, 5)]
+    verdict = flatness("rss_mib:client", leaking, floor=16.0, breaks=[185.0])
+    assert not verdict.flat and verdict.slope_per_h == pytest.approx(720)
+    assert flatness("rss_mib:client", stepped, floor=16.0, breaks=[10.0]).lives == 1
+
+
+def test_the_monitor_marks_a_roles_new_pid_as_a_restart_of_its_process_series(redis_url):
+    pids = {"client-alice": os.getpid(), "redis-queue": os.getppid()}  # live processes
+    servers = SimpleNamespace(url=redis_url)
+    rig = SimpleNamespace(
+        cluster=None, queue_server=servers, cache=servers, pids=lambda: dict(pids)
+    )
+    monitor = Monitor(rig)  # type: ignore[arg-type]
+    monitor.sample()
+    monitor.sample()
+    assert not monitor.restarts
+    pids["client-alice"] = os.getppid()  # killed and started again (as another live process)
+    monitor.sample()
+    (when,) = monitor.restarts["rss_mib:client-alice"]
+    assert when == monitor.series["rss_mib:client-alice"][-1][0]
+    assert set(monitor.restarts) == {"rss_mib:client-alice", "gpu_mib:client-alice"}
 
 
 def test_the_allowed_rise_is_a_share_of_the_level_or_the_floor():

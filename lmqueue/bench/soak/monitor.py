@@ -3,7 +3,8 @@
 A sample reads, by role (a restarted process keeps its role's series):
 
 * ``rss_mib:<role>``: the RSS of each worker, client process, the scheduler and both Redis
-  servers; ``gpu_mib:<worker>`` where the driver reports a worker's GPU memory;
+  servers; ``gpu_mib:<worker>`` where the driver reports a worker's GPU memory (a role's new
+  pid is a restart: `restarts` keeps when, and `flatness` judges each life apart);
 * ``queue_used_mib`` (Redis ``used_memory``, summed over a cluster's masters) and
   ``cache_used_mib``; ``claim_check_keys``: the cache's keys, every one a vector a reply may
   point to;
@@ -56,12 +57,15 @@ class Monitor:
         self.rig = rig
         self.started = time.time()
         self.series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        #: series name -> the times (of the first sample) its process was a new one
+        self.restarts: dict[str, list[float]] = defaultdict(list)
         self.errors = 0
+        self._pids: dict[str, int] = {}
 
     def sample(self) -> None:
         """Take one sample of every series (a Redis that is down skips its series once)."""
         t = round(time.time() - self.started, 2)
-        values = self._processes()
+        values = self._processes(t)
         for read in (self._queue, self._cache):
             try:
                 values.update(read())
@@ -70,9 +74,13 @@ class Monitor:
         for name, value in values.items():
             self.series[name].append((t, float(value)))
 
-    def _processes(self) -> dict[str, float]:
+    def _processes(self, t: float) -> dict[str, float]:
         out: dict[str, float] = {}
         for role, pid in self.rig.pids().items():
+            if self._pids.setdefault(role, pid) != pid:
+                self._pids[role] = pid
+                for kind in ("rss_mib", "gpu_mib"):
+                    self.restarts[f"{kind}:{role}"].append(t)
             with contextlib.suppress(psutil.Error):
                 out[f"rss_mib:{role}"] = psutil.Process(pid).memory_info().rss / _MIB
             if role.startswith("soak-w"):

@@ -156,7 +156,10 @@ def _judge(
         report.figure(f"verify_{kind}", verdict.as_dict(), line=(
             f"reference check, {kind}: {verdict.checked} rows, {verdict.wrong} wrong, max abs "
             f"diff {verdict.max_abs_diff:.2e}"))  # fmt: skip
-    judged = [flatness(n, p, floor_of(n)) for n, p in sorted(monitor.series.items())]
+    judged = [
+        flatness(n, p, floor_of(n), breaks=monitor.restarts.get(n, ()))
+        for n, p in sorted(monitor.series.items())
+    ]
     for series in judged:
         report.figure(f"series.{series.name}", series.as_dict(), line=series.line())
     report.figure("series", monitor.to_json(), line=f"{len(judged)} series, {monitor.errors} "

@@ -295,7 +295,7 @@ class BatchProcessor:
             if isinstance(result, BaseException):
                 continue
             for dtype in wanted[prompt]:
-                payload = backend.wire_payload(result, dtype)  # deferred: the writer converts
+                payload = backend.wire_payload(result, dtype)  # else made on the writer thread
                 payloads[(prompt, dtype)] = payload
                 key = cache_keys.get((prompt, dtype))
                 if key is not None:

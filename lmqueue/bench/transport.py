@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = f"transport ratio lmqueue/raw-probe{pipe}: " + "; ".join(parts) + "  [target >= 0.9x]"
     halves = _half_cpu_ratios(report)
     if halves:
-        shares = ", ".join(f"{name} {share:.2f}" for name, share in halves["defaults"].items())
-        summary += f"; float16/float32 CPU a reply, defaults: {shares}  [target about 0.5]"
+        summary += (f"; float16/float32 CPU a reply, defaults: {_joined(halves['defaults'])}"
+                    "  [target about 0.5]")  # fmt: skip
     return report.finish({**headline, **ratios}, summary, args.out_dir)
 
 
@@ -120,12 +120,14 @@ def _half_cpu_ratios(report: Report) -> dict[str, dict[str, float]]:
         halves[config] = {
             name: round(narrow_us[name] / us, 2) if us else math.nan for name, us in wide_us.items()
         }
-    line = "; ".join(
-        f"{config} " + ", ".join(f"{name} {share:.2f}" for name, share in shares.items())
-        for config, shares in halves.items()
-    )
+    line = "; ".join(f"{config} {_joined(shares)}" for config, shares in halves.items())
     report.figure("float16_over_float32_cpu", halves, line=f"float16 / float32 CPU a reply: {line}")
     return halves
+
+
+def _joined(shares: dict[str, float]) -> str:
+    """``client 0.78, worker 0.66, redis 0.54``."""
+    return ", ".join(f"{name} {share:.2f}" for name, share in shares.items())
 
 
 def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:

@@ -212,7 +212,8 @@ class _VectoredConnection(aioredis.Connection):
         transport.set_write_buffer_limits(high=_HIGH_WATER_BYTES, low=0)
         # asyncio allocates its whole read size for every recv: 256 KiB by default, which a
         # worker's fixed mmap threshold (workers.main) turns into mmap + mremap + munmap each
-        transport.max_size = _READ_BYTES
+        if hasattr(transport, "max_size"):  # CPython's selector transport; not uvloop's
+            transport.max_size = _READ_BYTES
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True

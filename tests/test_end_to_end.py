@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+import uvloop
 
 from lmqueue.devstack import LocalRedis, WorkerProcess
 from lmqueue.producer import QueueLM
@@ -67,6 +68,24 @@ async def test_two_worker_processes_answer_hundreds_of_futures_exactly(
     for prompt, result in zip(prompts, results, strict=True):
         assert torch.equal(result, reference.logprobs_of(prompt))
     assert stats["sent"] + stats["cache_hits"] == 400 and stats["inflight"] == 0
+
+
+def test_a_client_on_uvloop_gets_exact_results(mock_workers, redis_url, smol_tokenizer):
+    """uvloop's transports take no attributes of asyncio's own: connecting once failed there
+    (``transport.max_size``), and commands go out by ``writelines`` instead of ``sendmsg``."""
+    reference = MockAsyncLM(smol_tokenizer)
+    prompts = [[index, 5, index % 7] for index in range(200)]
+
+    async def calls() -> list[torch.Tensor]:
+        assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+        async with await QueueLM.connect(
+            "smollm2-135m", redis_url=redis_url, connect_timeout_s=60
+        ) as lm:
+            return await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+
+    results = uvloop.run(calls())
+    for prompt, result in zip(prompts, results, strict=True):
+        assert torch.equal(result, reference.logprobs_of(prompt))
 
 
 async def test_bad_inputs_fail_on_their_own_futures_and_the_rest_succeed(mock_workers, redis_url):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmqueue.shared.errors import Unavailable, UnknownModel
+from lmqueue.shared.gc_threshold import raise_young_threshold
 from lmqueue.shared.heap_reuse import keep_freed_vectors_mapped
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
@@ -148,6 +149,7 @@ class QueueLM(SyncFacade, AsyncLM):
         settings = ClientSettings.resolve(settings, redis_url, cache_url=cache_url, **overrides)
         if settings.heap_reuse:
             keep_freed_vectors_mapped()
+        raise_young_threshold(settings.gc_young_threshold)
         deadline = time.monotonic() + settings.connect_timeout_s
         while True:  # Redis away mid-connect (restarting, loading its AOF): try again
             try:

@@ -361,6 +361,9 @@ class ClientSettings:
     use_shared_cache: bool = True
     #: Reuse the memory of freed vectors (glibc's thresholds, process-wide: shared/heap_reuse.py).
     heap_reuse: bool = True
+    #: Collect young objects every this many allocations at least, not every 700 (process-wide,
+    #: only raised: shared/gc_threshold.py); 0: leave the collector's thresholds alone.
+    gc_young_threshold: int = 10_000
     max_inflight: int = 4096
     read_count: int = 256
     #: How long `connect` waits for a worker to publish the model.
@@ -380,8 +383,9 @@ class ClientSettings:
             )
         _require_positive(self, "max_inflight", "read_count")
         _require_non_negative(
-            self, "timeout_s", "local_cache_size", "connect_timeout_s", "max_backlog"
-        )
+            self, "timeout_s", "local_cache_size", "connect_timeout_s", "max_backlog",
+            "gc_young_threshold",
+        )  # fmt: skip
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> ClientSettings:

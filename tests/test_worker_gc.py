@@ -20,6 +20,7 @@ def test_a_serving_worker_has_frozen_what_was_alive_when_it_started(
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
     backend = MockAsyncLM(smol_tokenizer)
+    gc.collect()  # what is alive, not the cyclic garbage this process's collector has not reached
     alive_before = len(gc.get_objects())
     worker = ThreadedWorker(backend, redis_url).start()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,16 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     if ENGINE_CLASSES.is_dir() and str(ENGINE_CLASSES) not in sys.path:
         sys.path.append(str(ENGINE_CLASSES))
+
+
+@pytest.fixture
+def interpreter_gc_thresholds() -> Iterator[None]:
+    """The collector's thresholds at the interpreter's default (700, 10, 10) for the test; the
+    suite process's own (a client connected in it raises them) come back after."""
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    yield
+    gc.set_threshold(*saved)
 
 
 @pytest.fixture(scope="session")

@@ -91,18 +91,12 @@ def test_a_client_on_uvloop_gets_exact_results(mock_workers, redis_url, smol_tok
 
 @pytest.mark.parametrize("setting", [10_000, 0])
 async def test_connecting_raises_the_young_collection_threshold_unless_told_not_to(
-    mock_workers, redis_url, setting
+    mock_workers, redis_url, setting, interpreter_gc_thresholds
 ):
-    saved = gc.get_threshold()
-    gc.set_threshold(700, 10, 10)
-    try:
-        async with await QueueLM.connect(
-            "smollm2-135m", redis_url=redis_url, connect_timeout_s=60,
-            gc_young_threshold=setting,
-        ):  # fmt: skip
-            assert gc.get_threshold() == (setting or 700, 10, 10)
-    finally:
-        gc.set_threshold(*saved)
+    async with await QueueLM.connect(
+        "smollm2-135m", redis_url=redis_url, connect_timeout_s=60, gc_young_threshold=setting
+    ):
+        assert gc.get_threshold() == (setting or 700, 10, 10)
 
 
 async def test_bad_inputs_fail_on_their_own_futures_and_the_rest_succeed(mock_workers, redis_url):

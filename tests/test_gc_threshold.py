@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 
@@ -12,16 +11,9 @@ from lmqueue.shared.gc_threshold import raise_young_threshold
 from lmqueue.shared.settings import ClientSettings
 
 
-@pytest.fixture
-def thresholds() -> Iterator[None]:
-    """The test sets the interpreter's default; the suite's own thresholds come back after."""
-    saved = gc.get_threshold()
-    gc.set_threshold(700, 10, 10)
-    yield
-    gc.set_threshold(*saved)
-
-
-def test_a_lower_young_threshold_is_raised_and_the_older_ones_kept(thresholds: None) -> None:
+def test_a_lower_young_threshold_is_raised_and_the_older_ones_kept(
+    interpreter_gc_thresholds: None,
+) -> None:
     gc.set_threshold(700, 7, 3)
     assert raise_young_threshold(10_000) is True
     assert gc.get_threshold() == (10_000, 7, 3)
@@ -30,13 +22,13 @@ def test_a_lower_young_threshold_is_raised_and_the_older_ones_kept(thresholds: N
 
 
 @pytest.mark.parametrize("chosen", [50_000, 0], ids=["a larger one", "collection switched off"])
-def test_what_the_program_chose_is_kept(thresholds: None, chosen: int) -> None:
+def test_what_the_program_chose_is_kept(interpreter_gc_thresholds: None, chosen: int) -> None:
     gc.set_threshold(chosen, 10, 10)
     assert raise_young_threshold(10_000) is False
     assert gc.get_threshold() == (chosen, 10, 10)
 
 
-def test_zero_leaves_the_collector_alone(thresholds: None) -> None:
+def test_zero_leaves_the_collector_alone(interpreter_gc_thresholds: None) -> None:
     assert raise_young_threshold(0) is False
     assert gc.get_threshold() == (700, 10, 10)
 

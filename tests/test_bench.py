@@ -17,6 +17,7 @@ pytest.importorskip("psutil")
 
 from lmqueue.bench import main as bench_main  # noqa: E402
 from lmqueue.bench.lib.load import Window, distinct_prompt, percentile  # noqa: E402
+from lmqueue.bench.lib.transport_scale import DEPLOYMENTS, _deployment_names  # noqa: E402
 
 
 def _last_line(out: str) -> str:
@@ -88,7 +89,19 @@ def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(
         assert len(window["worker_threads"]) == workers
         assert all(t["main"] > 0 for t in window["worker_threads"].values())
         assert result["ratios"][f"float16.single.{workers}w.worker_us"] > 0
+        assert window["redis_rss_mib"] > 0  # what the cache's TTL bounds
     assert "transport scale" in _last_line(capsys.readouterr().out)
+
+
+def test_transport_scale_mode_runs_the_deployments_named_and_refuses_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _deployment_names("single") == ["single"]
+    assert _deployment_names("cluster, single") == ["cluster", "single"]
+    assert _deployment_names("both") == _deployment_names("single,cluster") == list(DEPLOYMENTS)
+    with pytest.raises(SystemExit):  # "both" once ran as a cluster named "both"; a typo too
+        bench_main(["transport", "--clients", "1", "--workers", "1", "--deployments", "singel"])
+    assert "'singel': expected single, cluster" in capsys.readouterr().err
 
 
 @pytest.mark.cluster

@@ -10,6 +10,13 @@ outstanding; every prompt is distinct. Two deployments, interleaved in one run:
   the model's request streams in 3 partitions (``LMQ_PARTITIONS=3``: one slot each) and
   claim-check keys spread over the masters by their hash.
 
+Both hold the cache as the shared layout does: entries bounded by their TTL, here
+`CACHE_TTL_S` (``LMQ_CACHE_TTL_S`` of the workers). With the default hour every reply's vector
+stayed in memory: the single instance grew by ~0.5 GB a second, and its CPU per reply was
+mostly the kernel handing it fresh pages, which made one Redis look 2-3x slower than it is
+(and a long run would exhaust the machine's memory). Each window reports the masters' RSS at
+its end.
+
 For each, one worker, then M (the others added), each window with the CPU microseconds per
 reply of every process: each client, the workers split into their event loops' threads and
 their other threads (the writer thread), and each Redis master. One Redis moves every vector
@@ -28,6 +35,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from lmqueue.devstack import LocalCluster
 
 from .report import Report
@@ -38,6 +47,11 @@ __all__ = ["add_scale_arguments", "run_scale", "scale_summary"]
 
 #: Cluster masters, and the request-stream partitions spread over them.
 MASTERS = 3
+#: The scale runs' cache TTL: a claim-check is fetched within milliseconds, and the memory
+#: the cache holds stays about replies/s x vector bytes x this (~1-2 GB at this machine's rates).
+CACHE_TTL_S = 2
+#: The deployments a scale run knows, in the order they run by default.
+DEPLOYMENTS = ("single", "cluster")
 
 
 def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +59,25 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=0, help="client processes (scale mode)")
     parser.add_argument("--workers", type=int, default=0, help="workers (scale mode)")
     parser.add_argument(
-        "--deployments", default="single,cluster", help="scale mode: single, cluster or both"
+        "--deployments",
+        default=",".join(DEPLOYMENTS),
+        type=_deployment_names,
+        help="scale mode: single, cluster, or both (the default; also 'single,cluster')",
     )
+
+
+def _deployment_names(text: str) -> list[str]:
+    """``--deployments``: known names, comma-separated, or ``both`` (an unknown one is refused:
+    it used to run as a cluster under its own name)."""
+    if text.strip() == "both":
+        return list(DEPLOYMENTS)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DEPLOYMENTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {', '.join(DEPLOYMENTS)} (comma-separated) or both"
+        )
+    return names
 
 
 @dataclass
@@ -61,13 +92,14 @@ class _Deployment:
 
 @contextlib.contextmanager
 def _deployment(name: str) -> Iterator[_Deployment]:
+    env = {"LMQ_CACHE_TTL_S": str(CACHE_TTL_S)}
     if name == "single":
         with redis_server() as server:
-            yield _Deployment(name, server.url, [server_pid(server)], {})
+            yield _Deployment(name, server.url, [server_pid(server)], env)
         return
     with LocalCluster(masters=MASTERS, replicas=0) as cluster:
         pids = [int(node.process.pid) for node in cluster.nodes if node.process is not None]
-        yield _Deployment(name, cluster.url, pids, {"LMQ_PARTITIONS": str(MASTERS)})
+        yield _Deployment(name, cluster.url, pids, {**env, "LMQ_PARTITIONS": str(MASTERS)})
 
 
 async def run_scale(args: argparse.Namespace, report: Report) -> dict[str, float]:
@@ -75,7 +107,7 @@ async def run_scale(args: argparse.Namespace, report: Report) -> dict[str, float
     clients, most = max(args.clients, 1), max(args.workers, 1)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     rates: dict[str, float] = {}
-    for name in [d.strip() for d in args.deployments.split(",") if d.strip()]:
+    for name in args.deployments:
         with _deployment(name) as deployment:
             rates.update(await _run_deployment(args, report, deployment, clients, most, dtypes))
     return _verdicts(report, rates, dtypes, most)
@@ -140,7 +172,20 @@ async def _window(
         return meter.stop()
 
     *client_windows, spent = await asyncio.gather(*each, metered())
-    return {"clients": client_windows, "servers": spent, "worker_threads": meter.threads}
+    return {
+        "clients": client_windows,
+        "servers": spent,
+        "worker_threads": meter.threads,
+        "redis_rss_mib": round(sum(_rss_mib(pid) for pid in redis_pids), 1),
+    }
+
+
+def _rss_mib(pid: int) -> float:
+    """A process's resident memory now, MiB (0 where it is gone)."""
+    try:
+        return float(psutil.Process(pid).memory_info().rss) / 2**20
+    except psutil.Error:
+        return 0.0
 
 
 def _record(report: Report, key: str, window: dict[str, Any], clients: int) -> dict[str, float]:
@@ -157,7 +202,8 @@ def _record(report: Report, key: str, window: dict[str, Any], clients: int) -> d
     line = (
         f"{key:<22} {per_s:8.1f} replies/s  CPU us/reply: clients {sum(client_us):.0f} "
         f"({clients} processes), workers {loop_us + other_us:.0f} (event loop {loop_us:.0f}, "
-        f"other threads {other_us:.0f}), redis {redis_us:.0f}"
+        f"other threads {other_us:.0f}), redis {redis_us:.0f} (RSS at the end "
+        f"{window['redis_rss_mib']:,.0f} MiB)"
     )
     report.figure(key, {**window, "replies_per_s": round(per_s, 1)}, line=line)
     return {

@@ -49,6 +49,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .cluster_client import RecoveringCluster
+from .cluster_gets import ClusterGets
 
 __all__ = [
     "async_redis",
@@ -163,10 +164,13 @@ def is_cluster(client: Any) -> bool:
 
 
 def multi_get(client: Any) -> Callable[[Sequence[Any]], Awaitable[list[Any]]]:
-    """The MGET of `client`: one command on a single instance; on a cluster, one MGET per
-    hash slot, pipelined per node, the nodes asked concurrently (redis-py's
-    ``mget_nonatomic``). Chosen once, so a single instance pays nothing per call.
+    """The MGET of `client`: one command on a single instance; on an asyncio cluster, one
+    pipeline of GETs per master, the masters asked concurrently (`ClusterGets`); on a
+    synchronous one, redis-py's ``mget_nonatomic``. Chosen once, so a single instance pays
+    nothing per call.
     """
+    if isinstance(client, aiocluster.RedisCluster):
+        return ClusterGets(client)
     if is_cluster(client):
         return client.mget_nonatomic
     return client.mget

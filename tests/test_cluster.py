@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 import redis.cluster as synccluster
 import torch
+from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
@@ -24,6 +27,7 @@ from lmqueue.devstack import WorkerProcess
 from lmqueue.producer import QueueLM
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.producer.slot_pipe import SlotPipe
+from lmqueue.shared.cluster_gets import ClusterGets
 from lmqueue.shared.connections import (
     _VectoredConnection,
     connect_async_redis,
@@ -117,6 +121,65 @@ async def test_a_multi_get_on_a_cluster_asks_the_nodes_concurrently(redis_cluste
         await client.aclose()
     assert values == [key.encode() if i % 2 == 0 else None for i, key in enumerate(keys)]
     assert 0.4 < elapsed_s < 1.2, elapsed_s
+
+
+@pytest.fixture
+async def cluster_client(cluster_url: str) -> AsyncIterator[Any]:
+    """An asyncio cluster client of the flushed session cluster."""
+    client = await connect_async_redis(cluster_url)
+    yield client
+    await client.aclose()
+
+
+async def _some_stored(
+    client: Any, tag: bytes, count: int, every: int
+) -> tuple[list[str], list[bytes | None]]:
+    """`count` cache keys, every `every`-th of them set to its own name, and what MGET answers."""
+    keys = [KEYS.cache_entry("m", "r1", "lp.float32", tag + bytes([i])) for i in range(count)]
+    await asyncio.gather(*(client.set(key, key.encode()) for key in keys[::every]))
+    return keys, [key.encode() if i % every == 0 else None for i, key in enumerate(keys)]
+
+
+async def test_a_stale_slot_map_sends_a_multi_get_through_the_redirection(cluster_client):
+    keys, expected = await _some_stored(cluster_client, b"stale", 24, every=3)
+    gets = multi_get(cluster_client)
+    assert isinstance(gets, ClusterGets) and await gets(keys) == expected
+    assert gets.fallbacks == 0  # one pipeline of GETs a master answered it
+    # the map says another master serves the first key's slot: that master answers MOVED
+    slots = cluster_client.nodes_manager.slots_cache
+    right = slots[key_slot(keys[0].encode())][0]
+    wrong = next(n for n in cluster_client.get_primaries() if n.name != right.name)
+    slots[key_slot(keys[0].encode())] = [wrong]
+    assert await gets(keys) == expected
+    assert gets.fallbacks == 1  # through mget_nonatomic, which followed MOVED
+    # every answer was read, so the connections went back clean: the next call is exact
+    assert await gets(list(reversed(keys))) == list(reversed(expected))
+
+
+async def test_a_multi_get_answers_a_key_of_another_type_as_mget_does(cluster_client):
+    keys = [KEYS.cache_entry("m", "r1", "lp.float32", b"type" + bytes([i])) for i in range(6)]
+    await cluster_client.set(keys[0], b"v0")
+    await cluster_client.rpush(keys[1], b"a list")  # GET answers WRONGTYPE; MGET answers nil
+    gets = multi_get(cluster_client)
+    assert await gets(keys) == [b"v0", None, None, None, None, None]
+    assert gets.fallbacks == 1
+    assert await gets(keys[:1]) == [b"v0"]  # the connections went back clean
+
+
+async def test_a_multi_get_whose_connections_a_master_closed_still_answers(
+    redis_cluster, cluster_client
+):
+    keys, expected = await _some_stored(cluster_client, b"killed", 12, every=2)
+    gets = multi_get(cluster_client)
+    assert await gets(keys) == expected and gets.fallbacks == 0
+    for port in redis_cluster.master_ports():  # this client's pooled connections die
+        with redis.Redis(host="127.0.0.1", port=port) as node:
+            for peer in node.client_list(_type="normal"):
+                if peer["cmd"] in ("get", "set"):  # the ones its SETs and GETs used
+                    node.client_kill_filter(_id=peer["id"])
+    assert await gets(keys) == expected
+    assert gets.fallbacks == 1  # the lost connection sent it through mget_nonatomic
+    assert await gets(keys) == expected and gets.fallbacks == 1  # reconnected
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from typing import Any
 from lmqueue.shared.connections import bounded, multi_get
 from lmqueue.shared.wire import Reply, holds_vector
 
+from .node_pipes import NodePipes
 from .resp_pipe import RespPipe
 
 __all__ = ["ClaimResolver"]
@@ -43,11 +44,13 @@ class ClaimResolver:
         timeout_s: float = 10.0,
         pipe: RespPipe | None = None,
         vector_size: int = 0,
+        nodes: NodePipes | None = None,
     ) -> None:
         self.redis = cache_redis
         #: A claimed value must hold exactly this many values of its dtype (0: whole values).
         self.vector_size = vector_size
         self.pipe = pipe  # where it can connect: vectors land in arrays of their own
+        self.nodes = nodes  # the same, on a cluster's masters
         self.timeout_s = timeout_s
         self.resolved = 0
         self.missed = 0
@@ -93,6 +96,8 @@ class ClaimResolver:
 
     async def _mget(self, keys: list[Any]) -> list[Any]:
         if self.pipe is None:
+            if self.nodes is not None and (values := await self.nodes.get(keys)) is not None:
+                return values
             return list(await multi_get(self.redis)(keys))  # split per node on a cluster
         (values,) = await self.pipe.execute(("MGET", *keys))
         if isinstance(values, Exception):

@@ -41,6 +41,7 @@ from .admission import Admission
 from .claims import ClaimResolver
 from .inflight import InflightTable, Pending
 from .inflight_permits import InflightPermits
+from .node_pipes import NodePipes
 from .reply_reader import BLOCK_MS, ReplyReader
 from .reply_thread import ReplyThread
 from .resp_pipe import RespPipe
@@ -113,13 +114,19 @@ class RequestChannel:
                 if is_cluster(redis)
                 else RespPipe(url, timeout_s)
             )
-        claims_pipe = None  # a cluster's claims span nodes: redis-py splits them per node
-        if RespPipe.supports(cache_url) and not is_cluster(cache_redis):
-            claims_pipe = RespPipe(cache_url, timeout_s)
-        self.pipes = [replies_pipe, claims_pipe]
+        claims_pipe, claims_nodes = None, None  # a cluster's claims span its masters
+        if RespPipe.supports(cache_url):
+            if is_cluster(cache_redis):
+                claims_nodes = NodePipes(cache_redis, cache_url, timeout_s)
+            else:
+                claims_pipe = RespPipe(cache_url, timeout_s)
+        self.pipes: list[RespPipe | SlotPipe | NodePipes | None] = [
+            replies_pipe, claims_pipe, claims_nodes
+        ]  # fmt: skip
         self.claims = ClaimResolver(
-            cache_redis, stall_timeout_s, pipe=claims_pipe, vector_size=info.vector_size
-        )
+            cache_redis, stall_timeout_s, pipe=claims_pipe, vector_size=info.vector_size,
+            nodes=claims_nodes,
+        )  # fmt: skip
         self.thread = self._reply_thread(redis, cache_redis, settings)
         self.keys = keys
         self.submitter = Submitter(

@@ -23,8 +23,9 @@ from redis.exceptions import (
     TryAgainError,
 )
 
-from lmqueue.devstack import WorkerProcess
+from lmqueue.devstack import LocalCluster, WorkerProcess
 from lmqueue.producer import QueueLM
+from lmqueue.producer.node_pipes import NodePipes
 from lmqueue.producer.resp_pipe import RespPipe
 from lmqueue.producer.slot_pipe import SlotPipe
 from lmqueue.shared.cluster_gets import ClusterGets
@@ -140,6 +141,15 @@ async def _some_stored(
     return keys, [key.encode() if i % every == 0 else None for i, key in enumerate(keys)]
 
 
+def _kill_connections(cluster: LocalCluster, last_commands: tuple[str, ...]) -> None:
+    """Close, on every master, the client connections whose last command was one of these."""
+    for port in cluster.master_ports():
+        with redis.Redis(host="127.0.0.1", port=port) as node:
+            for peer in node.client_list(_type="normal"):
+                if peer["cmd"] in last_commands:
+                    node.client_kill_filter(_id=peer["id"])
+
+
 async def test_a_stale_slot_map_sends_a_multi_get_through_the_redirection(cluster_client):
     keys, expected = await _some_stored(cluster_client, b"stale", 24, every=3)
     gets = multi_get(cluster_client)
@@ -172,14 +182,50 @@ async def test_a_multi_get_whose_connections_a_master_closed_still_answers(
     keys, expected = await _some_stored(cluster_client, b"killed", 12, every=2)
     gets = multi_get(cluster_client)
     assert await gets(keys) == expected and gets.fallbacks == 0
-    for port in redis_cluster.master_ports():  # this client's pooled connections die
-        with redis.Redis(host="127.0.0.1", port=port) as node:
-            for peer in node.client_list(_type="normal"):
-                if peer["cmd"] in ("get", "set"):  # the ones its SETs and GETs used
-                    node.client_kill_filter(_id=peer["id"])
+    _kill_connections(redis_cluster, last_commands=("get", "set"))  # this client's pool
     assert await gets(keys) == expected
     assert gets.fallbacks == 1  # the lost connection sent it through mget_nonatomic
     assert await gets(keys) == expected and gets.fallbacks == 1  # reconnected
+
+
+async def test_node_pipes_answer_what_redis_py_does_with_vectors_in_place(
+    cluster_client, cluster_url
+):
+    keys = [KEYS.cache_entry("m", "r1", "lp.float16", b"pipes" + bytes([i])) for i in range(30)]
+    vectors = {k: np.full(49152, i, dtype=np.float16).tobytes() for i, k in enumerate(keys[::3])}
+    await cluster_client.set(keys[1], b"small")
+    await asyncio.gather(*(cluster_client.set(key, value) for key, value in vectors.items()))
+    pipes = NodePipes(cluster_client, cluster_url)
+    try:
+        values = await pipes.get(keys)
+    finally:
+        pipes.close()
+    assert values is not None and pipes.answered == 30 and pipes.refusals == 0
+    expected = await multi_get(cluster_client)(keys)
+    assert [None if v is None else bytes(v) for v in values] == expected
+    assert all(isinstance(values[keys.index(k)], memoryview) for k in vectors)  # in place
+
+
+async def test_node_pipes_refuse_on_a_stale_map_or_a_lost_connection_and_then_answer(
+    redis_cluster, cluster_client, cluster_url
+):
+    keys, expected = await _some_stored(cluster_client, b"refuse", 12, every=2)
+    pipes = NodePipes(cluster_client, cluster_url)
+    try:
+        assert await pipes.get(keys) == expected
+        slots = cluster_client.nodes_manager.slots_cache
+        right = slots[key_slot(keys[0].encode())]
+        slots[key_slot(keys[0].encode())] = [
+            next(n for n in cluster_client.get_primaries() if n.name != right[0].name)
+        ]
+        assert await pipes.get(keys) is None and pipes.refusals == 1  # MOVED: ask redis-py
+        slots[key_slot(keys[0].encode())] = right
+        assert await pipes.get(keys) == expected  # every answer was read: the pipes are clean
+        _kill_connections(redis_cluster, last_commands=("get",))  # the pipes' connections
+        assert await pipes.get(keys) is None and pipes.refusals == 2
+        assert await pipes.get(keys) == expected  # the failed pipes were dropped, new ones made
+    finally:
+        pipes.close()
 
 
 @pytest.mark.parametrize(
@@ -232,10 +278,13 @@ async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment
     # replies land in place on either; on a cluster the receiver follows the reply stream's slot
     assert isinstance(pipes[0], SlotPipe if on_cluster else RespPipe)
     assert (pipes[1] is None) if on_cluster else isinstance(pipes[1], RespPipe)
+    assert isinstance(pipes[2], NodePipes) if on_cluster else pipes[2] is None
     assert stats["inflight"] == 0 and stats["cache_hits"] >= 1
     # claim-checks: on a cluster the worker writes cache entries before the replies, so a
     # claimed entry is always there
     assert stats["claims_missed"] == 0 and stats["claims_resolved"] > 0, stats
+    if on_cluster:  # received in place from the masters, none through redis-py
+        assert pipes[2].answered == stats["claims_resolved"] and pipes[2].refusals == 0
 
 
 @pytest.mark.cluster
@@ -256,13 +305,14 @@ async def test_the_cache_role_alone_can_be_a_cluster(
             first = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
             lm.clear_cache()
             second = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
-            stats = lm.stats
+            stats, nodes = lm.stats, lm.channel.claims.nodes
     finally:
         assert worker.stop() == 0, worker.log()
     for prompt, a, b in zip(prompts, first, second, strict=True):
         assert torch.equal(a, reference.logprobs_of(prompt)) and torch.equal(a, b)
     # every first answer came as a claim-check on the cluster, every second from its cache
     assert stats["claims_resolved"] == 100 and stats["claims_missed"] == 0, stats
+    assert nodes is not None and nodes.answered == 100 and nodes.refusals == 0
     assert stats["cache_hits"] == 100 and stats["sent"] == 100, stats
 
 

@@ -1,0 +1,94 @@
+"""`NodePipes`: GETs of keys spread over a Redis Cluster's masters, one `RespPipe` a master.
+
+On one instance a client receives claimed vectors in place (`RespPipe`, or the reply thread's
+socket); on a cluster the keys span masters, and through redis-py each 100-200 KB vector is
+copied several times in Python (~75 CPU us a 98 KB value in a microbenchmark, against ~4.7 for
+a missing one: BENCHMARKS.md, transport; the clients cost 205-272 us a reply on a cluster
+against 113-157 on one instance). Here each master of the keys gets one pipeline of GETs on a
+`RespPipe` aimed at it, the masters asked concurrently, and a vector lands in the array it is
+handed out as, as on one instance.
+
+The slot map is redis-py's (its cluster client keeps it current). A redirection (MOVED, ASK),
+any other error answer, a slot nobody serves or a lost connection makes `get` answer None: the
+caller then asks redis-py, which follows redirections, retries and refreshes the map. A pipe
+that failed is dropped, so the next call connects afresh to whoever serves the slot then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .resp_pipe import RespPipe
+
+__all__ = ["NodePipes"]
+
+
+class NodePipes:
+    """One `RespPipe` per master of a cluster; one `get` at a time (the reply reader's)."""
+
+    def __init__(self, cluster: Any, url: str, connect_timeout_s: float = 5.0) -> None:
+        self.cluster = cluster
+        self.url = url
+        self.connect_timeout_s = connect_timeout_s
+        #: Keys answered here, and calls answered None (the caller went through redis-py).
+        self.answered = 0
+        self.refusals = 0
+        self._pipes: dict[str, RespPipe] = {}
+
+    async def get(self, keys: Sequence[Any]) -> list[Any] | None:
+        """The values of `keys` in order (None: missing), or None if a master redirected,
+        refused or could not be reached."""
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            node_of_slot = self.cluster.nodes_manager.get_node_from_slot
+            for index, key in enumerate(keys):
+                raw = key if isinstance(key, bytes) else str(key).encode()
+                node = node_of_slot(key_slot(raw))
+                groups.setdefault(node.name, (node, []))[1].append(index)
+        except RedisClusterException:
+            self.refusals += 1
+            return None
+        names = list(groups)
+        answers = await asyncio.gather(
+            *(self._pipe(node).execute(*(("GET", keys[i]) for i in indexes))
+              for node, indexes in groups.values()),
+            return_exceptions=True,
+        )  # fmt: skip
+        values: list[Any] = [None] * len(keys)
+        refused = False
+        for name, (_, indexes), answer in zip(names, groups.values(), answers, strict=True):
+            if isinstance(answer, (RedisConnectionError, RedisTimeoutError, OSError)):
+                self._pipes.pop(name).close()
+                refused = True
+            elif isinstance(answer, BaseException):
+                raise answer  # cancelled, or a bug
+            elif any(isinstance(value, Exception) for value in answer):
+                refused = True
+            else:
+                for index, value in zip(indexes, answer, strict=True):
+                    values[index] = value
+        if refused:
+            self.refusals += 1
+            return None
+        self.answered += len(keys)
+        return values
+
+    def _pipe(self, node: Any) -> RespPipe:
+        pipe = self._pipes.get(node.name)
+        if pipe is None:
+            pipe = self._pipes[node.name] = RespPipe(self.url, self.connect_timeout_s)
+            pipe.retarget(node.host, int(node.port))
+        return pipe
+
+    def close(self) -> None:
+        """Drop every connection (idempotent)."""
+        for pipe in self._pipes.values():
+            pipe.close()
+        self._pipes.clear()

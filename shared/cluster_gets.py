@@ -29,6 +29,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["ClusterGets"]
 
+#: A connection lost or silent: the call goes through ``mget_nonatomic``, which retries.
+_LOST = (RedisConnectionError, RedisTimeoutError, OSError)
+
 
 class ClusterGets:
     """The values of keys on an asyncio `RedisCluster`, in order (None: missing)."""
@@ -54,14 +57,15 @@ class ClusterGets:
                 group[2].append(raw)
         except RedisClusterException:  # a slot no master serves now
             return await self._fallback(keys)
-        try:
-            answers = await asyncio.gather(*(_gets(n, raws) for n, _, raws in groups.values()))
-        except (RedisConnectionError, RedisTimeoutError, OSError):  # a master failed over?
-            return await self._fallback(keys)
+        answers = await asyncio.gather(
+            *(_gets(node, raws) for node, _, raws in groups.values()), return_exceptions=True
+        )
         values: list[Any] = [None] * len(keys)
         for (_, indexes, _), answer in zip(groups.values(), answers, strict=True):
-            if answer is None:
+            if answer is None or isinstance(answer, _LOST):  # refused, or a master failed over?
                 return await self._fallback(keys)
+            if isinstance(answer, BaseException):
+                raise answer  # cancelled, or a bug
             for index, value in zip(indexes, answer, strict=True):
                 values[index] = value
         return values

@@ -20,10 +20,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from lmqueue.shared.cluster_gets import by_master
+from lmqueue.shared.redis_errors import REDIS_DOWN
 
 from .resp_pipe import RespPipe
 
@@ -45,26 +43,19 @@ class NodePipes:
     async def get(self, keys: Sequence[Any]) -> list[Any] | None:
         """The values of `keys` in order (None: missing), or None if a master redirected,
         refused or could not be reached."""
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        try:
-            node_of_slot = self.cluster.nodes_manager.get_node_from_slot
-            for index, key in enumerate(keys):
-                raw = key if isinstance(key, bytes) else str(key).encode()
-                node = node_of_slot(key_slot(raw))
-                groups.setdefault(node.name, (node, []))[1].append(index)
-        except RedisClusterException:
+        groups = by_master(self.cluster, keys)
+        if groups is None:  # a slot no master serves now
             self.refusals += 1
             return None
-        names = list(groups)
         answers = await asyncio.gather(
-            *(self._pipe(node).execute(*(("GET", keys[i]) for i in indexes))
-              for node, indexes in groups.values()),
+            *(self._pipe(node).execute(*(("GET", raw) for raw in raws))
+              for node, _, raws in groups.values()),
             return_exceptions=True,
         )  # fmt: skip
         values: list[Any] = [None] * len(keys)
         refused = False
-        for name, (_, indexes), answer in zip(names, groups.values(), answers, strict=True):
-            if isinstance(answer, (RedisConnectionError, RedisTimeoutError, OSError)):
+        for (name, (_, indexes, _)), answer in zip(groups.items(), answers, strict=True):
+            if isinstance(answer, REDIS_DOWN):
                 self._pipes.pop(name).close()
                 refused = True
             elif isinstance(answer, BaseException):

@@ -23,14 +23,33 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["ClusterGets"]
+from .redis_errors import REDIS_DOWN
 
-#: A connection lost or silent: the call goes through ``mget_nonatomic``, which retries.
-_LOST = (RedisConnectionError, RedisTimeoutError, OSError)
+__all__ = ["ClusterGets", "by_master"]
+
+#: Keys grouped by the master serving them: its node, their indexes and their bytes.
+MasterGroups = dict[str, tuple[Any, list[int], list[bytes]]]
+
+
+def by_master(cluster: Any, keys: Sequence[Any]) -> MasterGroups | None:
+    """`keys` grouped by the master redis-py's slot map says serves each (by node name, in
+    first-seen order); None if a slot has no master now."""
+    groups: MasterGroups = {}
+    node_of_slot = cluster.nodes_manager.get_node_from_slot
+    try:
+        for index, key in enumerate(keys):
+            raw = key if isinstance(key, bytes) else str(key).encode()
+            node = node_of_slot(key_slot(raw))
+            group = groups.get(node.name)
+            if group is None:
+                group = groups[node.name] = (node, [], [])
+            group[1].append(index)
+            group[2].append(raw)
+    except RedisClusterException:
+        return None
+    return groups
 
 
 class ClusterGets:
@@ -44,25 +63,15 @@ class ClusterGets:
     async def __call__(self, keys: Sequence[Any]) -> list[Any]:
         if not keys:
             return []
-        groups: dict[str, tuple[Any, list[int], list[bytes]]] = {}
-        try:
-            node_of_slot = self.cluster.nodes_manager.get_node_from_slot
-            for index, key in enumerate(keys):
-                raw = key if isinstance(key, bytes) else str(key).encode()
-                node = node_of_slot(key_slot(raw))
-                group = groups.get(node.name)
-                if group is None:
-                    group = groups[node.name] = (node, [], [])
-                group[1].append(index)
-                group[2].append(raw)
-        except RedisClusterException:  # a slot no master serves now
+        groups = by_master(self.cluster, keys)
+        if groups is None:  # a slot no master serves now
             return await self._fallback(keys)
         answers = await asyncio.gather(
             *(_gets(node, raws) for node, _, raws in groups.values()), return_exceptions=True
         )
         values: list[Any] = [None] * len(keys)
         for (_, indexes, _), answer in zip(groups.values(), answers, strict=True):
-            if answer is None or isinstance(answer, _LOST):  # refused, or a master failed over?
+            if answer is None or isinstance(answer, REDIS_DOWN):  # refused, or failed over?
                 return await self._fallback(keys)
             if isinstance(answer, BaseException):
                 raise answer  # cancelled, or a bug

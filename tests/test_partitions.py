@@ -27,6 +27,7 @@ from lmqueue.shared.partitions import (
 from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.settings import ClientSettings, RedisSettings, WorkerSettings
 from lmqueue.shared.tenants import TenantConfig
+from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes
 from lmqueue.tenant_admin import TenantAdmin
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.worker import Worker
@@ -220,6 +221,47 @@ async def test_an_idle_worker_steals_a_silent_owners_partitions_then_owns_them(
         beating.cancel()
         thread.stop()
         await admin.aclose()
+
+
+async def test_a_tenants_entries_of_every_partition_are_answered_as_one_part(
+    any_redis_url: str, smol_tokenizer: Any
+) -> None:
+    """A fair batch holding a tenant's entries of four partitions is processed and written
+    once (one backend call, one write), each entry acknowledged on its own stream; on a
+    cluster the four streams live on different masters."""
+    client = await connect_async_redis(any_redis_url)
+    backend = RecordingMock(smol_tokenizer)
+    settings = WorkerSettings(model=MODEL, backend="mock", redis=RedisSettings(url=any_redis_url),
+                              name="w", partitions=4)  # fmt: skip
+    worker = Worker(settings, backend, client)
+    try:
+        await worker.publish()
+        prompts = {}
+        for partition in range(4):
+            for n in range(6):
+                tokens = [partition + 1, n + 1, 7]
+                request = Request(
+                    f"c1:{partition}:{n}", "c1", ids_to_bytes(tokens), claims=n % 2 == 0
+                )
+                prompts[request.request_id] = tokens
+                await client.xadd(KEYS.requests(MODEL, partition), encode_request(request))
+        assert await worker.run_until_idle() == 24
+        replies = [decode_reply(fields) for _, fields in await client.xrange(KEYS.replies("c1"))]
+        streams = [KEYS.requests(MODEL, p) for p in range(4)]
+        left = [await client.xlen(stream) for stream in streams]
+        pending = [(await client.xpending(stream, "workers"))["pending"] for stream in streams]
+    finally:
+        await worker.writer_thread.aclose()
+        await client.aclose()
+    assert sorted(reply.request_id for reply in replies) == sorted(prompts)
+    assert sum(1 for reply in replies if reply.claim) == 12  # claim-checks: their entries stored
+    for reply in replies:
+        if not reply.claim:
+            want = backend.logprobs_of(prompts[reply.request_id]).numpy()
+            np.testing.assert_array_equal(reply.vector(), want)
+    assert left == [0, 0, 0, 0] and pending == [0, 0, 0, 0]
+    assert worker.metrics.batches_total == 1 and backend.batch_sizes == [24]
+    assert worker.writer_thread.jobs == 2, worker.writer_thread.jobs  # the write, then closing
 
 
 async def test_a_worker_refuses_a_partition_count_its_live_peers_do_not_share(

@@ -104,6 +104,30 @@ async def test_a_batch_is_written_whole_on_either_path(redis_url: str, path: str
 
 
 @pytest.mark.parametrize("path", ["thread", "redis-py"])
+async def test_a_batch_read_from_several_streams_is_acknowledged_on_each_of_them(
+    redis_url: str, path: str
+) -> None:
+    """A tenant's partitions answered as one batch: each entry is acknowledged and deleted on
+    the stream it was read from, and an entry of the same id on another stream is not."""
+    async with _writer_on(redis_url, path) as (sync, writer, _):
+        streams = [RequestStream(writer.redis, KEYS.requests("mock", p), "w") for p in (0, 1)]
+        for stream, ids in zip(streams, (["1-1", "1-2"], ["1-1", "1-3"]), strict=True):
+            await stream.ensure_group()
+            for entry_id in ids:
+                await writer.redis.xadd(stream.stream, {b"m": b"x"}, id=entry_id)
+            assert len(await stream.read_new(10, None)) == 2
+        outcome = Outcome(acks=["1-1", "1-2", "1-3"])
+        outcome.acks_by_stream = {streams[0].stream: ["1-1", "1-2"], streams[1].stream: ["1-3"]}
+        outcome.result("client-a", "r:1", VECTOR.data.cast("B"), "float32", cached=False)
+        await writer.flush(outcome)
+        left = [sync.xrange(stream.stream) for stream in streams]
+        pending = [sync.xpending(stream.stream, "workers")["pending"] for stream in streams]
+        replies = sync.xlen(KEYS.replies("client-a"))
+    assert left[0] == [] and [entry_id for entry_id, _ in left[1]] == [b"1-1"]
+    assert pending == [0, 1] and replies == 1
+
+
+@pytest.mark.parametrize("path", ["thread", "redis-py"])
 async def test_a_packing_clients_claims_and_errors_travel_in_one_entry(
     redis_url: str, path: str
 ) -> None:

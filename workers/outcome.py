@@ -61,6 +61,16 @@ class Outcome:
     computed_tokens: int = 0
     #: Clients whose requests said they read packed reply entries (`shared.wire`).
     packing: set[str] = field(default_factory=set)
+    #: `acks` by the request stream each entry was read from, when the batch read several
+    #: (a tenant's partitions of a cluster, answered together); None: all are of the writer's
+    #: own stream.
+    acks_by_stream: dict[str, list[str]] | None = None
+
+    def ack_groups(self, own_stream: str) -> list[tuple[str, list[str]]]:
+        """The entries to acknowledge, by stream (`own_stream` for all unless told otherwise)."""
+        if self.acks_by_stream is None:
+            return [(own_stream, self.acks)] if self.acks else []
+        return [(stream, ids) for stream, ids in self.acks_by_stream.items() if ids]
 
     def result(
         self, client_id: str, request_id: str, payload: Payload, dtype: str, cached: bool
@@ -144,18 +154,6 @@ class Outcome:
         (still counted in `outcomes`: the metrics count the whole batch once it is written)."""
         self.claimable = [item for item in self.claimable if item.key not in keys]
         self.cache_puts = [put for put in self.cache_puts if put[0] not in keys]
-
-    def merge(self, other: Outcome) -> None:
-        """Append everything of `other`."""
-        self.replies.extend(other.replies)
-        self.cache_puts.extend(other.cache_puts)
-        self.acks.extend(other.acks)
-        self.dead.extend(other.dead)
-        self.claimable.extend(other.claimable)
-        self.outcomes.update(other.outcomes)
-        self.computed_prompts += other.computed_prompts
-        self.computed_tokens += other.computed_tokens
-        self.packing |= other.packing
 
 
 def _packed(replies: list[dict[str, Any]]) -> dict[str, Any]:

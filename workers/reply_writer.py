@@ -21,6 +21,8 @@ each fresh result travels, writes everything, and only then acknowledges:
 - On a Redis Cluster a pipeline's commands go to their keys' nodes concurrently, so order
   holds only per node: cache entries are written first (as for a separate cache instance),
   and acknowledgements after the replies, in a pipeline of their own.
+- A batch may hold a tenant's entries of several partitions, answered as one
+  (`Outcome.acks_by_stream`): each entry is acknowledged on the stream it was read from.
 
 Where the connections are plain (not TLS), all of it runs on the worker's `WriterThread`:
 blocking connections, one ``sendmsg`` per pipeline and node (`threaded_write`), while the
@@ -164,7 +166,8 @@ class ReplyWriter:
                     key = known[client_id] = self.keys.replies(client_id)
                 reply_keys[client_id] = key
         routes = {key: self._cache_routes.of(key) for key, _ in outcome.cache_puts}
-        for key in [*reply_keys.values(), self.stream.stream, self._dead_stream]:
+        streams = [stream for stream, _ in outcome.ack_groups(self.stream.stream)]
+        for key in [*reply_keys.values(), *streams, self._dead_stream]:
             routes[key] = self._routes.of(key)
         return reply_keys, routes
 
@@ -194,7 +197,7 @@ class ReplyWriter:
             self._settle_claims(part, {key for key, _ in puts} if self._claims_allowed() else ())
             commands = routed_sets(puts, routes, ttl_s)
             commands += reply_commands(part, reply_keys, routes, self.settings, self._dead_stream)
-            acks = self._ack_commands(part, routes[self.stream.stream])
+            acks = self._ack_commands(part, routes)
             if not self._cluster:  # one instance: in the same pipeline, after the replies
                 commands, acks = commands + acks, []
             stage_trace.mark("writer_cmds")
@@ -205,14 +208,20 @@ class ReplyWriter:
                         raise result
         stage_trace.mark("writer_done")
 
-    def _ack_commands(self, outcome: Outcome, target: Target) -> list[Routed]:
-        stream = self.stream
-        if not outcome.acks:
-            return []
-        return [
-            (target, ("XACK", stream.stream, stream.group, *outcome.acks)),
-            (target, ("XDEL", stream.stream, *outcome.acks)),
-        ]
+    def _ack_commands(self, outcome: Outcome, routes: dict[str, Target]) -> list[Routed]:
+        """XACK and XDEL of the outcome's entries, on each stream they were read from."""
+        group = self.stream.group
+        commands: list[Routed] = []
+        for stream, ids in outcome.ack_groups(self.stream.stream):
+            target = routes[stream]
+            commands += [(target, ("XACK", stream, group, *ids)), (target, ("XDEL", stream, *ids))]
+        return commands
+
+    def _queue_acks(self, pipe: Any, outcome: Outcome) -> None:
+        """Queue the outcome's acknowledgements on a redis-py pipeline (see `_ack_commands`)."""
+        for stream, ids in outcome.ack_groups(self.stream.stream):
+            pipe.xack(stream, self.stream.group, *ids)
+            pipe.xdel(stream, *ids)
 
     def _settle_claims(self, outcome: Outcome, stored: Container[str]) -> None:
         """Turn claimable results into replies: claim-checks for keys in `stored`, else inline."""
@@ -259,12 +268,12 @@ class ReplyWriter:
                 pipe.xadd(dead_stream, dead, maxlen=self.settings.max_dead_letters or None,
                           approximate=True)  # fmt: skip
             if not self._cluster:
-                self.stream.ack(pipe, outcome.acks)
+                self._queue_acks(pipe, outcome)
             results = await execute_pipeline(pipe, raise_on_error=False)
         self._check_written(results, len(puts))
         if self._cluster and outcome.acks:  # only once every reply is written, on any node
             async with self.redis.pipeline(transaction=False) as pipe:
-                self.stream.ack(pipe, outcome.acks)
+                self._queue_acks(pipe, outcome)
                 for result in await execute_pipeline(pipe, raise_on_error=False):
                     if isinstance(result, Exception):
                         raise result

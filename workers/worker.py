@@ -406,36 +406,38 @@ class Worker:
         theirs are processed and written first, since the backend idles until their next
         calls are back.
         """
-        parts: dict[str, tuple[Lane, list[Entry]]] = {}
-        charged: dict[str, float] = {}
-        named: dict[str, int] = {}  # the tokens their envelopes named
+        parts: dict[tuple[str, str], _Part] = {}  # by tenant and cache namespace
         for pick in picks:
             lane, entry = pick.item
-            stream = lane.stream.stream
-            parts.setdefault(stream, (lane, []))[1].append(entry)
-            charged[stream] = charged.get(stream, 0.0) + pick.charged
-            named[stream] = named.get(stream, 0) + pick.tokens
+            name = (lane.tenant, lane.keys.cache_namespace)
+            part = parts.get(name)
+            if part is None:
+                part = parts[name] = _Part(lane)
+            part.add(lane, entry, pick.charged, pick.tokens)
         forward = BatchForward(
             len(parts), computed, self.occupancy.computed, started=started, start=start
         )
-        awaited = {s for s, (lane, _) in parts.items() if self.returning.awaits(lane.tenant)}
+        awaited = {name for name, part in parts.items() if self.returning.awaits(name[0])}
         first = None
         if 0 < len(awaited) < len(parts):  # the others' replies wait for this batch's successor
             first = AwaitedFirst(len(awaited), self._next_forward, self.returning.wait_s)
-        order = sorted(parts.items(), key=lambda part: (part[0] not in awaited, len(part[1][1])))
+        order = sorted(
+            parts.items(), key=lambda item: (item[0] not in awaited, len(item[1].entries))
+        )
         try:
             results = await asyncio.gather(
                 *(
                     self._handle_lane(
-                        lane,
-                        entries,
-                        charged[stream],
+                        part.lane,
+                        part.entries,
+                        part.charged,
                         forward.part(),
                         first,
-                        stream in awaited,
-                        named[stream],
+                        name in awaited,
+                        part.named_tokens,
+                        part.streams if len(part.streams) > 1 else None,
                     )
-                    for stream, (lane, entries) in order
+                    for name, part in order
                 ),
                 return_exceptions=True,
             )
@@ -455,8 +457,13 @@ class Worker:
         first: AwaitedFirst | None = None,
         awaited: bool = False,
         named_tokens: int = 0,
+        streams: dict[RequestStream, list[str]] | None = None,
     ) -> None:
         """Process one tenant's entries and write their outcome; keep their claims fresh.
+
+        `streams`: the entries' ids by the request stream each was read from, when several
+        (the tenant's partitions on a cluster): one part, processed and written as one, each
+        entry acknowledged on its own stream. Else all are `lane`'s.
 
         The tenant's fair-share charge becomes what the forward cost (distinct prompts
         computed and their tokens the backend's prefix cache did not hold; cache hits cost
@@ -466,14 +473,17 @@ class Worker:
         With `first`, the batch has an `awaited` tenant, whose replies are written before
         the others' (`AwaitedFirst`), and those once the next batch goes to the backend.
         """
-        self.metrics.observe_queue_wait(lane.tenant, [e.entry_id for e in entries])
-        keepalive = asyncio.create_task(self._keep_claims(lane, [e.entry_id for e in entries]))
+        ids = [e.entry_id for e in entries]
+        self.metrics.observe_queue_wait(lane.tenant, ids)
+        keepalive = asyncio.create_task(self._keep_claims(streams or {lane.stream: ids}))
         try:
             try:
                 outcome = await lane.processor.process(entries, forward)
             finally:
                 keepalive.cancel()
                 await asyncio.gather(keepalive, return_exceptions=True)
+            if streams is not None:
+                outcome.acks_by_stream = {stream.stream: ids for stream, ids in streams.items()}
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
             self.scheduler.adjust(lane.tenant, cost - charged)
             self.scheduler.observe(lane.tenant, named_tokens, outcome.computed_tokens)
@@ -496,15 +506,17 @@ class Worker:
                 first.written()
         self.answered += len(outcome.acks)
 
-    async def _keep_claims(self, lane: Lane, entry_ids: list[str]) -> None:
-        """Reset the entries' idle time while a long batch runs, so no janitor steals them."""
+    async def _keep_claims(self, streams: dict[RequestStream, list[str]]) -> None:
+        """Reset the entries' idle time (ids by their stream) while a long batch runs, so no
+        janitor steals them."""
         interval_s = self.settings.claim_idle_ms / 3000
         while True:
             await asyncio.sleep(interval_s)
-            try:
-                await lane.stream.touch(entry_ids)
-            except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
-                logger.info("keeping claims fresh failed: %s", exc)
+            for stream, entry_ids in streams.items():
+                try:
+                    await stream.touch(entry_ids)
+                except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
+                    logger.info("keeping claims fresh failed: %s", exc)
 
     async def _finish_inflight(self) -> None:
         """Give in-flight batches the grace period, then cancel them (they stay pending)."""
@@ -529,6 +541,30 @@ class Worker:
                 logger.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay_s)
                 await sleep_unless(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
+
+
+class _Part:
+    """One tenant's entries of a fair batch, answered as one (`Worker._handle`): its lanes of
+    several partitions share the keys, so one processor and one writer serve them all."""
+
+    __slots__ = ("lane", "entries", "streams", "charged", "named_tokens")
+
+    def __init__(self, lane: Lane) -> None:
+        #: The lane whose processor and writer answer the part (the first one picked).
+        self.lane = lane
+        self.entries: list[Entry] = []
+        #: The entries' ids by the stream each was read from.
+        self.streams: dict[RequestStream, list[str]] = {}
+        #: The fair-share estimate charged for them, and the tokens their envelopes named.
+        self.charged = 0.0
+        self.named_tokens = 0
+
+    def add(self, lane: Lane, entry: Entry, charged: float, tokens: int) -> None:
+        """One more entry, read from `lane`'s stream."""
+        self.entries.append(entry)
+        self.streams.setdefault(lane.stream, []).append(entry.entry_id)
+        self.charged += charged
+        self.named_tokens += tokens
 
 
 def _tenant_counts(counts: Iterable[tuple[str, int]]) -> str:

@@ -95,6 +95,13 @@ class PromptKey(_Fields):
             adapter_tag=record.cache_tag(), own_namespace=record.tenant is not None,
         )  # fmt: skip
 
+    def order(self) -> tuple[bool, str, bytes]:
+        """A plain tuple that sorts as keys do (``sorted(keys, key=PromptKey.order)``): compared
+        in C, where sorting keys themselves calls `__lt__` in Python n log n times (a batch of
+        32 prompts: ~150 calls, a few us a request on the worker's loop)."""
+        adapter = self.adapter
+        return (adapter is not None, adapter or "", self.tokens)
+
     def __lt__(self, other: tuple[Any, ...]) -> bool:
         adapter, tokens = other
         if self.adapter == adapter:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from lmqueue.shared.errors import (
     BadRequest,
     DeadlineExceeded,
     EmptyPrompt,
+    LMQueueError,
     MalformedMessage,
     ModelError,
     OversizeRequest,
     PromptTooLong,
     TokenOutOfVocabulary,
 )
+from lmqueue.shared.lm.validation import check_token_bytes
 from lmqueue.shared.wire import Request, decode_reply, encode_request, ids_to_bytes, payload_bytes
 from lmqueue.workers.backends.mock import MockAsyncLM
 from lmqueue.workers.processor import BatchProcessor
@@ -91,6 +96,60 @@ async def test_bad_requests_get_typed_errors_and_never_reach_the_model(
     assert type(replies["c:0"].error) is error
     assert replies["c:1"].ok
     assert backend.batch_sizes == [1]
+
+
+_MOCKS: dict[int, MockAsyncLM] = {}
+
+
+def _shared_mock(tokenizer: Any) -> MockAsyncLM:
+    """One mock of few precomputed vectors for every example (made once: it decodes the
+    vocabulary)."""
+    if id(tokenizer) not in _MOCKS:
+        _MOCKS[id(tokenizer)] = MockAsyncLM(tokenizer, distinct_vectors=4)
+    return _MOCKS[id(tokenizer)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.integers(0, 22).flatmap(
+            lambda n: st.lists(st.integers(0, 49_151), min_size=n, max_size=n)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.one_of(
+        st.none(),
+        st.tuples(st.integers(0, 5), st.integers(0, 21), st.sampled_from([-1, 49_152, 2**31 - 1])),
+    ),
+)
+@example([[5, 49_152], [3]], None)  # the edges, beside prompts that pass
+@example([[5, 49_151], [-1, 3]], None)
+@example([[1] * 21, [2] * 20], None)
+@example([[], [2]], None)
+async def test_a_batch_checks_each_prompt_as_it_would_be_checked_alone(
+    smol_tokenizer, prompts: list[list[int]], bad: tuple[int, int, int] | None
+) -> None:
+    """Prompts are checked for the whole batch at once when all pass; any that does not
+    (empty, too long, or with a token outside the vocabulary: `bad` puts one there) is told
+    its own error, and the others run, whatever else shares their batch."""
+    if bad is not None and prompts[bad[0] % len(prompts)]:
+        ids = prompts[bad[0] % len(prompts)]
+        ids[bad[1] % len(ids)] = bad[2]
+    backend = _shared_mock(smol_tokenizer)
+    processor = BatchProcessor(backend, cache=None, max_prompt_tokens=20)
+    outcome = await processor.process([_entry(n, ids) for n, ids in enumerate(prompts)])
+    replies = _replies(outcome)
+    for n, ids in enumerate(prompts):
+        try:
+            check_token_bytes(ids_to_bytes(ids), backend.vocab_size, 20)
+            want = None
+        except LMQueueError as exc:
+            want = type(exc)
+        got = replies[f"c:{n}"]
+        assert (type(got.error) if got.error else None) is want, (ids, got.error)
+        if want is None:
+            np.testing.assert_array_equal(got.vector(), backend.logprobs_of(ids))
 
 
 async def test_oversize_entries_are_refused(backend):

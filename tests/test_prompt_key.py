@@ -68,6 +68,19 @@ def test_keys_sort_base_first_then_by_adapter_then_by_tokens():
     assert [(k.adapter, k.ids()) for k in sorted(keys)] == [
         (None, [1]), (None, [2]), ("a", [1]), ("a", [2]), ("b", [1]), ("b", [2]),
     ]  # fmt: skip
+    assert sorted(keys, key=PromptKey.order) == sorted(keys)
+
+
+def test_the_plain_sort_key_orders_any_keys_as_the_keys_do() -> None:
+    rng = np.random.default_rng(3)
+    adapters = [None, "a", "ab", "b", "\u00e9"]
+    keys = [
+        PromptKey.of_ids(rng.integers(0, 70_000, size=rng.integers(1, 4)).tolist(), adapter)
+        for adapter in adapters
+        for _ in range(40)
+    ]
+    rng.shuffle(keys)
+    assert sorted(keys, key=PromptKey.order) == sorted(keys)
 
 
 def test_the_cache_key_spelling_is_the_one_existing_caches_hold():

@@ -1,6 +1,6 @@
 """The private parts of redis-py that `shared.connections._VectoredConnection` stands on.
 
-The vectored connection overrides two methods of redis-py's asyncio `Connection` and reads a
+The vectored connection overrides three methods of redis-py's asyncio `Connection` and reads a
 few private attributes. Each one is pinned here against the installed redis-py, so an upgrade
 that renames or reshapes them fails this file by name instead of silently falling back or
 breaking every large write.
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from typing import Any
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lmqueue.shared.connections import _VectoredConnection, connect_async_redis
 
@@ -28,6 +31,33 @@ def test_the_overridden_methods_keep_their_names_and_signatures() -> None:
     assert inspect.iscoroutinefunction(base.check_health)
     assert "nowait" in inspect.signature(base.disconnect).parameters
     assert isinstance(base.is_connected, property)
+    assert list(inspect.signature(base.pack_command).parameters) == ["self", "args"]
+    assert {"encoding", "encoding_errors"} <= set(aioredis.connection.Encoder.__slots__)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=40),
+            st.binary(max_size=40),
+            st.integers(),
+            st.floats(allow_nan=False),
+            st.binary(min_size=6001, max_size=6100),
+            st.binary(max_size=20).map(memoryview),
+        ),
+        max_size=40,
+    ),
+    st.sampled_from(["MGET", "XREADGROUP", "SET", "CONFIG GET", "XACK"]),
+)
+def test_commands_are_packed_into_the_bytes_redis_py_packs(args: list[Any], name: str) -> None:
+    """The one-join packing (small strings and bytes) and every command it hands back to
+    redis-py put the same bytes on the wire as redis-py's own packer."""
+    ours, theirs = _VectoredConnection(), aioredis.Connection()
+    for encoding in ("utf-8", "latin-1"):
+        ours.encoder.encoding = theirs.encoder.encoding = encoding
+        ours.encoder.encoding_errors = theirs.encoder.encoding_errors = "replace"
+        packed = b"".join(map(bytes, ours.pack_command(name, *args)))
+        assert packed == b"".join(map(bytes, theirs.pack_command(name, *args)))
 
 
 def test_the_cluster_client_still_takes_a_connection_class_in_its_node_kwargs() -> None:

@@ -37,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
 from .backoff import Backoff
+from .stream_slots import StreamSlots
 
 __all__ = ["ClusterUnreachable", "RecoveringCluster", "cluster_rebuilds"]
 
@@ -54,8 +55,9 @@ class ClusterUnreachable(RedisConnectionError):
     """Raised when the slot map could not be read, from any node the client ever knew."""
 
 
-class RecoveringCluster(aiocluster.RedisCluster):
-    """A `redis.asyncio.RedisCluster` that rebuilds its node list from every node it saw."""
+class RecoveringCluster(StreamSlots):
+    """A `redis.asyncio.RedisCluster` that rebuilds its node list from every node it saw (and
+    routes stream reads without asking a node for their keys: `StreamSlots`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -19,6 +19,7 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MasterDownError,
+    RedisClusterException,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -130,6 +131,44 @@ async def cluster_client(cluster_url: str) -> AsyncIterator[Any]:
     client = await connect_async_redis(cluster_url)
     yield client
     await client.aclose()
+
+
+def _getkeys_calls(cluster: LocalCluster) -> int:
+    """``COMMAND GETKEYS`` calls every master has run so far."""
+    calls = 0
+    for port in cluster.master_ports():
+        with redis.Redis(host="127.0.0.1", port=port) as node:
+            calls += int(
+                node.info("commandstats").get("cmdstat_command|getkeys", {}).get("calls", 0)
+            )
+    return calls
+
+
+async def test_stream_reads_are_routed_without_asking_a_node_for_their_keys(
+    redis_cluster, cluster_client
+):
+    """XREADGROUP and XREAD, alone and in a pipeline, reach the master of their stream and
+    answer what they should; no master was asked ``COMMAND GETKEYS`` for them (redis-py asks
+    one for every read of a command with movable keys)."""
+    streams = [KEYS.requests("m", partition) for partition in range(3)]  # three slots
+    for stream in streams:
+        await cluster_client.xgroup_create(stream, WORKER_GROUP, id="0", mkstream=True)
+        await cluster_client.xadd(stream, {b"m": stream.encode()})
+    before = _getkeys_calls(redis_cluster)
+    read = [
+        await cluster_client.xreadgroup(WORKER_GROUP, "streams", {stream: ">"}, count=5)
+        for stream in streams
+    ]
+    async with cluster_client.pipeline(transaction=False) as pipe:
+        for stream in streams:
+            pipe.xread({stream: "0"}, count=5, block=10)
+        piped = await pipe.execute()
+    assert _getkeys_calls(redis_cluster) == before
+    for stream, got, again in zip(streams, read, piped, strict=True):
+        assert [fields for _, fields in got[0][1]] == [{b"m": stream.encode()}]
+        assert [fields for _, fields in again[0][1]] == [{b"m": stream.encode()}]
+    with pytest.raises(RedisClusterException, match="same key slot"):
+        await cluster_client.xread({streams[0]: "0", streams[1]: "0"})
 
 
 async def _some_stored(

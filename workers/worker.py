@@ -483,7 +483,7 @@ class Worker:
                 keepalive.cancel()
                 await asyncio.gather(keepalive, return_exceptions=True)
             if streams is not None:
-                outcome.acks_by_stream = {stream.stream: ids for stream, ids in streams.items()}
+                outcome.acks_by_stream = {s.stream: read for s, read in streams.items()}
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
             self.scheduler.adjust(lane.tenant, cost - charged)
             self.scheduler.observe(lane.tenant, named_tokens, outcome.computed_tokens)

@@ -224,7 +224,7 @@ class _VectoredConnection(aioredis.Connection):
 
     def pack_command(self, *args: Any) -> list[bytes]:
         """redis-py's packing, a command of small strings and bytes (a worker's MGET of a
-        batch's cache keys, XREADGROUP, XACK) in one join: redis-py encodes each argument in a
+        batch's cache keys, its XREADGROUP) in one join: redis-py encodes each argument in a
         call of its own and joins the buffer again for each, ~2 us an argument on this
         project's machine. Anything else (numbers, large values, memoryviews, a command name
         with a space) goes to redis-py as it is."""

@@ -38,7 +38,7 @@ import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -50,6 +50,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .cluster_client import RecoveringCluster
 from .cluster_gets import ClusterGets
+from .resp_encoding import pack_commands
 
 __all__ = [
     "async_redis",
@@ -204,9 +205,6 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 _HIGH_WATER_BYTES = 64 * 1024
 _READ_BYTES = 64 * 1024
 _JOINS_ON_WRITELINES = sys.version_info < (3, 12)
-#: Arguments up to this size are packed into one buffer (redis-py's own cutoff); a larger one
-#: is sent as a piece of its own, uncopied, by redis-py's packer.
-_SMALL_ARGUMENT = 6000
 
 
 class _VectoredConnection(aioredis.Connection):
@@ -223,26 +221,23 @@ class _VectoredConnection(aioredis.Connection):
             transport.max_size = _READ_BYTES
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        """redis-py's packing, a command of small strings and bytes (a worker's MGET of a
-        batch's cache keys, its XREADGROUP) in one join: redis-py encodes each argument in a
-        call of its own and joins the buffer again for each, ~2 us an argument on this
-        project's machine. Anything else (numbers, large values, memoryviews, a command name
-        with a space) goes to redis-py as it is."""
-        encoding, errors = self.encoder.encoding, self.encoder.encoding_errors
+        """A command of strings and bytes (a worker's MGET of a batch's cache keys, its
+        XREADGROUP) packed by the project's packer (`resp_encoding.pack_commands`: small
+        arguments in one join, each large one a piece of its own), where redis-py encodes each
+        argument in a call of its own and joins the buffer again for each, ~2 us an argument
+        on this project's machine. Anything else (numbers, memoryviews, a command name with a
+        space, an encoding other than strict UTF-8) goes to redis-py's packer."""
         first = args[0] if args else None
-        if type(first) is not str or " " in first:
+        encoder = self.encoder
+        if (
+            type(first) is not str
+            or " " in first
+            or encoder.encoding != "utf-8"
+            or encoder.encoding_errors != "strict"
+            or not all(type(arg) is str or type(arg) is bytes for arg in args)
+        ):
             return super().pack_command(*args)
-        pieces = [b"*%d\r\n" % len(args)]
-        for arg in args:
-            kind = type(arg)
-            if kind is str:
-                arg = arg.encode(encoding, errors)
-            elif kind is not bytes:
-                return super().pack_command(*args)
-            if len(arg) > _SMALL_ARGUMENT:
-                return super().pack_command(*args)
-            pieces.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
-        return [b"".join(pieces)]
+        return cast(list[bytes], pack_commands((args,)))  # strings and bytes: bytes pieces
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True

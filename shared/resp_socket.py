@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,12 +35,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .connections import tune_socket
 from .redis_errors import reply_error
+from .resp_encoding import BIG_BULK_BYTES, pack_commands
 
 __all__ = ["RespSocket", "BIG_BULK_BYTES", "target_of", "target_of_url", "pack_commands"]
 
-#: Arguments and bulk replies from this size on travel as buffers of their own: sent as
-#: their own iovec, received into an array of their own.
-BIG_BULK_BYTES = 16 * 1024
 _BUFFER_BYTES = 256 * 1024
 _READ_WINDOW_BYTES = 16 * 1024
 _IOV_MAX = 1024
@@ -68,37 +66,6 @@ def target_of(client: Any) -> Target | None:
     kwargs = pool.connection_kwargs  # type: ignore[union-attr]
     return {k: kwargs[k] for k in ("host", "port", "path", "username", "password", "db")
             if kwargs.get(k) is not None}  # fmt: skip
-
-
-def pack_commands(commands: Iterable[Sequence[Any]]) -> list[bytes | memoryview]:
-    """RESP2 encoding of a pipeline: small parts joined, each big argument a piece of its own.
-
-    Arguments are bytes, str, int or float, or contiguous byte memoryviews (vectors).
-    """
-    pieces: list[bytes | memoryview] = []
-    small: list[bytes] = []
-    for command in commands:
-        small.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                raw: bytes | memoryview = arg
-            elif isinstance(arg, str):
-                raw = arg.encode()
-            elif isinstance(arg, memoryview | bytearray):
-                raw = memoryview(arg).cast("B")
-            else:
-                raw = str(arg).encode()
-            size = len(raw)
-            if size < BIG_BULK_BYTES:
-                small.append(b"$%d\r\n%b\r\n" % (size, raw))  # type: ignore[str-format]
-                continue
-            small.append(b"$%d\r\n" % size)
-            pieces.append(b"".join(small))
-            pieces.append(raw)
-            small = [b"\r\n"]
-    if small:
-        pieces.append(b"".join(small))
-    return pieces
 
 
 class RespSocket:

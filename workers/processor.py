@@ -43,7 +43,7 @@ from lmqueue.shared.errors import (
 )
 from lmqueue.shared.keys import validate_client_id
 from lmqueue.shared.lm.interface import AsyncLM
-from lmqueue.shared.lm.validation import check_token_bytes
+from lmqueue.shared.lm.validation import check_token_bytes, token_bytes_pass
 from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.redis_errors import REDIS_TROUBLE
 from lmqueue.shared.shared_cache import SharedCache
@@ -210,24 +210,15 @@ class BatchProcessor:
     # -- 1. admission ------------------------------------------------------------------------------
     def _prompts_pass(self, entries: Sequence[Entry]) -> bool:
         """Whether the prompt of every decodable entry passes `check_token_bytes`, checked for
-        the batch at once: each prompt's length, then one array of all their tokens and one
-        minimum and maximum (numpy dispatches each reduction in a few us: per request, they
-        were ~2 us of the worker's loop). False: each entry is checked on its own, as
+        the batch at once (`token_bytes_pass`). False: each entry is checked on its own, as
         before, and told what is wrong with its own."""
-        limit = self.max_prompt_tokens * 4
         prompts = []
         for entry in entries:
             try:
-                tokens = entry.request().token_bytes
+                prompts.append(entry.request().token_bytes)
             except MalformedMessage:
                 continue  # refused by its admission
-            if len(tokens) < 4 or (limit and len(tokens) > limit):
-                return False
-            prompts.append(tokens)
-        if not prompts:
-            return True
-        ids = np.frombuffer(b"".join(prompts), dtype="<i4")
-        return bool(ids.min() >= 0 and ids.max() < self.backend.vocab_size)
+        return token_bytes_pass(prompts, self.backend.vocab_size, self.max_prompt_tokens)
 
     def _admit(
         self,
@@ -272,7 +263,7 @@ class BatchProcessor:
         return _Job(entry, request, PromptKey.of_request(request))
 
     def _check(
-        self, entry: Entry, request: Request, now_ms: float, prompt_checked: bool = False
+        self, entry: Entry, request: Request, now_ms: float, prompts_checked: bool = False
     ) -> None:
         size = sum(map(len, entry.fields.values()))
         if size > self.max_request_bytes:
@@ -284,7 +275,7 @@ class BatchProcessor:
             )
         if request.deadline_ms and request.deadline_ms < now_ms:
             raise DeadlineExceeded("the request's deadline passed before a worker took it")
-        if not prompt_checked:
+        if not prompts_checked:
             check_token_bytes(request.token_bytes, self.backend.vocab_size, self.max_prompt_tokens)
         if request.kind == "mass" and self.mass_computer is None:
             raise BadRequest("this worker serves no trie mass requests")

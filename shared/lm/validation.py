@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
 
-__all__ = ["check_prompt", "check_token_bytes", "check_loaded_adapter"]
+__all__ = ["check_prompt", "check_token_bytes", "check_loaded_adapter", "token_bytes_pass"]
 
 #: Prompts up to this long are checked with Python's min and max (most calls of a program).
 _SMALL = 64
@@ -63,6 +64,21 @@ def check_token_bytes(token_bytes: bytes, vocab_size: int, max_tokens: int = 0) 
     if len(token_bytes) < 4:
         raise EmptyPrompt("the prompt has no tokens (an empty text encodes to none)")
     _check_ids(np.frombuffer(token_bytes, dtype="<i4"), vocab_size, max_tokens)
+
+
+def token_bytes_pass(prompts: Sequence[bytes], vocab_size: int, max_tokens: int = 0) -> bool:
+    """Whether every one of `prompts` (wire bytes, as `check_token_bytes` takes them) passes
+    `check_token_bytes`, checked at once: each one's length, then one array of all their
+    tokens and one minimum and maximum (numpy dispatches each reduction in a few us: a worker
+    checking each request's prompt alone paid them for every request). False says only that
+    one fails: check each to learn which, and why."""
+    limit = max_tokens * 4
+    if any(len(tokens) < 4 or (limit and len(tokens) > limit) for tokens in prompts):
+        return False
+    if not prompts:
+        return True
+    ids = np.frombuffer(b"".join(prompts), dtype="<i4")
+    return bool(ids.min() >= 0 and ids.max() < vocab_size)
 
 
 def _check_ids(ids: Any, vocab_size: int, max_tokens: int) -> None:

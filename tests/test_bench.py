@@ -6,6 +6,7 @@ never speed: timings on a shared test machine mean nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -80,8 +81,9 @@ def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(
 ) -> None:
     flags = "--clients 2 --workers 2 --deployments single --dtypes float16 --concurrency 32"
     argv = ["transport", *flags.split(), "--warmup-s", "0.3", "--measure-s", "1"]
-    assert bench_main([*argv, "--out-dir", str(tmp_path)]) == 0
+    assert bench_main([*argv, "--batch-size", "8", "--out-dir", str(tmp_path)]) == 0
     result = _result(tmp_path, "transport")
+    assert result["figures"]["batch_size"] == 8
     for workers in (1, 2):
         window = result["figures"][f"float16.single.{workers}w"]
         assert len(window["clients"]) == 2 and window["replies_per_s"] > 0
@@ -90,7 +92,24 @@ def test_transport_scale_mode_meters_client_processes_and_each_workers_threads(
         assert all(t["main"] > 0 for t in window["worker_threads"].values())
         assert result["ratios"][f"float16.single.{workers}w.worker_us"] > 0
         assert window["redis_rss_mib"] > 0  # what the cache's TTL bounds
-    assert "transport scale" in _last_line(capsys.readouterr().out)
+    last = _last_line(capsys.readouterr().out)
+    assert "transport scale" in last
+    assert last.endswith("(workers' batch size 8, not the default 32)")
+
+
+def test_transport_batch_size_flag_reaches_the_workers_settings() -> None:
+    from lmqueue.bench.lib.stack import batch_size_env
+    from lmqueue.bench.transport import add_arguments
+    from lmqueue.shared.settings import DEFAULT_BATCH_SIZE, WorkerSettings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).batch_size == DEFAULT_BATCH_SIZE
+    rows = parser.parse_args(["--batch-size", "64"]).batch_size
+    assert WorkerSettings.from_env(batch_size_env(rows), model="m").batch_size == 64
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--batch-size", bad])
 
 
 def test_transport_scale_mode_runs_the_deployments_named_and_refuses_others(

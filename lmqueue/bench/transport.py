@@ -18,6 +18,12 @@ dtype runs these configurations, one after another, in one run:
 redis-py instead of `producer.resp_pipe.RespPipe` (as over TLS), to measure what that
 hand-written RESP client alone is worth: run it alternately with and without, same load.
 
+``--batch-size`` is every worker's batch size (``LMQ_BATCH_SIZE``; default the worker's own,
+32): a worker's loop pays a share of its CPU per batch (reads, the cache lookup, the hand-off
+to its writer), so its CPU per reply depends on how many rows a batch holds, and a GPU worker
+batches more rows than the CPU default (``gpu_batch_size``). The defaults' figures are the
+benchmark's verdict; other sizes say how the per-batch share falls.
+
 Prompts are all distinct, so no reply comes from a cache or from deduplication. Besides
 replies per second, each window reports the CPU microseconds per reply of the client, the
 worker (or probe reader) and Redis, which a loaded machine distorts far less. With both
@@ -38,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lmqueue.shared.settings import ClientSettings, RedisSettings
+from lmqueue.shared.settings import DEFAULT_BATCH_SIZE, ClientSettings, RedisSettings
 
 from .lib.load import (
     WIRE_BYTES,
@@ -51,6 +57,7 @@ from .lib.probe import run_probe
 from .lib.report import DEFAULT_OUT_DIR, Report
 from .lib.stack import (
     CpuMeter,
+    batch_size_env,
     connect_client,
     redis_server,
     server_pid,
@@ -68,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scale_arguments(parser)
     parser.add_argument("--cache-maxmemory", default="256mb", help="of the defaults' cache Redis")
     parser.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"every worker's batch size, LMQ_BATCH_SIZE (default {DEFAULT_BATCH_SIZE})",
+    )
+    parser.add_argument(
         "--resp-pipe",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -80,8 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/transport.json``."""
     report = Report("transport", {k: str(v) for k, v in vars(args).items()})
     if args.clients or args.workers:
+        report.figure("batch_size", args.batch_size)
         figures = asyncio.run(run_scale(args, report))
-        return report.finish(figures, scale_summary(figures), args.out_dir)
+        return report.finish(figures, scale_summary(figures) + _batch_note(args), args.out_dir)
     with contextlib.ExitStack() as stack:
         if not args.resp_pipe:
             stack.enter_context(_without_resp_pipe())
@@ -101,7 +115,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if halves:
         summary += (f"; float16/float32 CPU a reply, defaults: {_joined(halves['defaults'])}"
                     "  [target about 0.5]")  # fmt: skip
-    return report.finish({**headline, **ratios}, summary, args.out_dir)
+    return report.finish({**headline, **ratios}, summary + _batch_note(args), args.out_dir)
+
+
+def _batch_note(args: argparse.Namespace) -> str:
+    """The last line's mark of a run whose workers did not batch as shipped."""
+    if args.batch_size == DEFAULT_BATCH_SIZE:
+        return ""
+    return f"  (workers' batch size {args.batch_size}, not the default {DEFAULT_BATCH_SIZE})"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of rows")
+    return value
 
 
 def _half_cpu_ratios(report: Report) -> dict[str, dict[str, float]]:
@@ -150,14 +178,18 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
             backend="mock",
             backend_opts={"distinct_vectors": args.distinct_vectors},
         )
+        env = batch_size_env(args.batch_size)
         workers_a = stack.enter_context(
-            worker_pool(1, redis_url=queue_a.url, cache_url=cache_a.url, tag="defaults", **common)
+            worker_pool(
+                1, redis_url=queue_a.url, cache_url=cache_a.url, tag="defaults", env=env, **common
+            )
         )
         workers_b = stack.enter_context(
             worker_pool(
-                1, redis_url=queue_b.url, tag="nocache", env={"LMQ_CACHE_WRITES": "0"}, **common
+                1, redis_url=queue_b.url, tag="nocache", env={**env, "LMQ_CACHE_WRITES": "0"},
+                **common,
             )
-        )
+        )  # fmt: skip
         defaults = ClientSettings(redis=RedisSettings(url=queue_a.url, cache_url=cache_a.url))
         no_cache = ClientSettings(redis=RedisSettings(url=queue_b.url), use_shared_cache=False)
         pids_a = [server_pid(queue_a), server_pid(cache_a)]
@@ -176,6 +208,7 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
             await wait_for_workers(settings.redis.url, args.model, workers)
         size = await _vector_size(args.model, configs["no_cache"][2], workers_b)
         report.figure("vector_size", size)
+        report.figure("batch_size", args.batch_size)
         ratios: dict[str, float] = {}
         for salt, dtype in enumerate(wire_dtypes(args)):
             window = await run_probe(

@@ -35,10 +35,17 @@ __all__ = [
     "connect_client",
     "wait_for_workers",
     "CpuMeter",
+    "batch_size_env",
 ]
 
 #: Worker processes log only warnings: a benchmark's output is its figures.
 QUIET = {"LMQ_LOG_LEVEL": "WARNING"}
+
+
+def batch_size_env(rows: int) -> dict[str, str]:
+    """The environment that gives a worker batches of `rows` (a benchmark's flag, not the
+    caller's ``LMQ_BATCH_SIZE``)."""
+    return {"LMQ_BATCH_SIZE": str(rows)}
 
 
 @contextlib.contextmanager

@@ -40,7 +40,14 @@ import psutil
 from lmqueue.devstack import LocalCluster
 
 from .report import Report
-from .stack import add_workers, redis_server, server_pid, wait_for_workers, worker_pool
+from .stack import (
+    add_workers,
+    batch_size_env,
+    redis_server,
+    server_pid,
+    wait_for_workers,
+    worker_pool,
+)
 from .transport_client import ClientProcess, ThreadMeter
 
 __all__ = ["add_scale_arguments", "run_scale", "scale_summary"]
@@ -122,7 +129,8 @@ async def _run_deployment(
     dtypes: list[str],
 ) -> dict[str, float]:
     spec = dict(
-        model=args.model, backend="mock", redis_url=deployment.url, env=deployment.env,
+        model=args.model, backend="mock", redis_url=deployment.url,
+        env={**deployment.env, **batch_size_env(args.batch_size)},
         backend_opts={"distinct_vectors": args.distinct_vectors},
     )  # fmt: skip
     figures: dict[str, float] = {}

@@ -156,6 +156,32 @@ async def test_a_stopped_worker_finishes_its_in_flight_batch(aredis, redis_url, 
     assert await ModelRegistry(aredis, KEYS).live_workers(MODEL, within_s=60) == []
 
 
+async def test_a_batch_longer_than_a_third_of_the_claim_timeout_keeps_its_entries_fresh(
+    aredis, redis_url, smol_tokenizer
+):
+    slow = MockAsyncLM(smol_tokenizer, batch_delay_s=0.9)
+    settings = WorkerSettings(
+        model=MODEL, backend="mock", redis=RedisSettings(url=redis_url), claim_idle_ms=300
+    )
+    worker = Worker(settings, slow, aredis)
+    await worker.publish()
+    await _enqueue(aredis, [[2, n] for n in range(4)])
+    answering = asyncio.create_task(worker.run_until_idle())
+    idle_ms = []
+    for _ in range(60):  # sampled while the 0.9 s forward runs: touched every 0.1 s
+        await asyncio.sleep(0.02)
+        rows = await aredis.xpending_range(KEYS.requests(MODEL), "workers", "-", "+", 10)
+        if answering.done():
+            break
+        if rows:  # read, and not answered yet
+            idle_ms.append(max(row["time_since_delivered"] for row in rows))
+    assert await answering == 4
+    assert len(idle_ms) >= 20, idle_ms  # it held them for most of the forward
+    assert max(idle_ms) < 300, idle_ms  # never idle long enough for a janitor to take them
+    pending = await aredis.xpending(KEYS.requests(MODEL), "workers")
+    assert pending["pending"] == 0
+
+
 async def test_the_dead_letter_reason_does_not_lose_the_original_fields(aredis, make_worker):
     worker = make_worker()
     await worker.publish()

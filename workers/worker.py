@@ -48,6 +48,7 @@ from lmqueue.shared.wire import envelope_token_count
 
 from .adapter_set import AdapterSet
 from .anticipation import AwaitedFirst, ReturningTenants
+from .claim_keeper import ClaimKeeper
 from .fair_share import FairShare, Pick
 from .health import HealthState
 from .janitor import Janitor
@@ -424,23 +425,24 @@ class Worker:
         order = sorted(
             parts.items(), key=lambda item: (item[0] not in awaited, len(item[1].entries))
         )
-        try:
-            results = await asyncio.gather(
-                *(
-                    self._handle_lane(
-                        part.lane,
-                        part.entries,
-                        part.charged,
-                        forward.part(),
-                        first,
-                        name in awaited,
-                        part.named_tokens,
-                        part.streams if len(part.streams) > 1 else None,
-                    )
-                    for name, part in order
-                ),
-                return_exceptions=True,
+        lanes = [
+            self._handle_lane(
+                part.lane,
+                part.entries,
+                part.charged,
+                forward.part(),
+                first,
+                name in awaited,
+                part.named_tokens,
+                part.streams if len(part.streams) > 1 else None,
             )
+            for name, part in order
+        ]
+        try:
+            if len(lanes) == 1:  # the usual batch: awaited here, not in a task of its own
+                results: list[Any] = [await lanes[0]]
+            else:
+                results = await asyncio.gather(*lanes, return_exceptions=True)
         finally:
             if started is not None:
                 started()
@@ -475,13 +477,15 @@ class Worker:
         """
         ids = [e.entry_id for e in entries]
         self.metrics.observe_queue_wait(lane.tenant, ids)
-        keepalive = asyncio.create_task(self._keep_claims(streams or {lane.stream: ids}))
+        claims = ClaimKeeper(
+            functools.partial(self._touch_claims, streams or {lane.stream: ids}),
+            self.settings.claim_idle_ms / 3000,
+        )
         try:
             try:
                 outcome = await lane.processor.process(entries, forward)
             finally:
-                keepalive.cancel()
-                await asyncio.gather(keepalive, return_exceptions=True)
+                await claims.stop()
             if streams is not None:
                 outcome.acks_by_stream = {s.stream: read for s, read in streams.items()}
             cost = self.scheduler.cost_of(outcome.computed_prompts, outcome.computed_tokens)
@@ -506,17 +510,14 @@ class Worker:
                 first.written()
         self.answered += len(outcome.acks)
 
-    async def _keep_claims(self, streams: dict[RequestStream, list[str]]) -> None:
-        """Reset the entries' idle time (ids by their stream) while a long batch runs, so no
-        janitor steals them."""
-        interval_s = self.settings.claim_idle_ms / 3000
-        while True:
-            await asyncio.sleep(interval_s)
-            for stream, entry_ids in streams.items():
-                try:
-                    await stream.touch(entry_ids)
-                except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
-                    logger.info("keeping claims fresh failed: %s", exc)
+    @staticmethod
+    async def _touch_claims(streams: dict[RequestStream, list[str]]) -> None:
+        """Reset the entries' idle time (ids by their stream), so no janitor steals them."""
+        for stream, entry_ids in streams.items():
+            try:
+                await stream.touch(entry_ids)
+            except REDIS_TROUBLE as exc:  # e.g. NOGROUP after a restart
+                logger.info("keeping claims fresh failed: %s", exc)
 
     async def _finish_inflight(self) -> None:
         """Give in-flight batches the grace period, then cancel them (they stay pending)."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from typing import Any
 
 import numpy as np
+import pytest
 import redis
 import redis.asyncio as aioredis
 from hypothesis import given
@@ -33,6 +35,17 @@ def test_the_overridden_methods_keep_their_names_and_signatures() -> None:
     assert isinstance(base.is_connected, property)
     assert list(inspect.signature(base.pack_command).parameters) == ["self", "args"]
     assert {"encoding", "encoding_errors"} <= set(aioredis.connection.Encoder.__slots__)
+    assert inspect.iscoroutinefunction(base.can_read_destructive)
+    assert list(inspect.signature(base.can_read_destructive).parameters) == ["self"]
+    loop = asyncio.new_event_loop()
+    try:  # what the fast check of can_read_destructive reads
+        stream = asyncio.StreamReader(loop=loop)
+        assert stream._buffer == b"" and not stream.at_eof() and stream.exception() is None
+    finally:
+        loop.close()
+    import hiredis
+
+    assert hasattr(hiredis.Reader(), "has_data")
 
 
 @given(
@@ -91,3 +104,77 @@ async def test_a_connected_vectored_connection_exposes_the_writer_and_a_socket(
 
 def test_redis_py_is_the_major_version_the_overrides_were_written_for() -> None:
     assert redis.__version__.split(".")[0] == "5"
+
+
+async def _pooled_connection_id(client: aioredis.Redis) -> tuple[Any, int]:
+    """A connection the pool hands out, and its client id on the server."""
+    connection = await client.connection_pool.get_connection()
+    await connection.send_command("CLIENT", "ID")
+    return connection, int(await connection.read_response())
+
+
+async def test_an_idle_pooled_connection_is_handed_out_without_a_read(redis_url: str) -> None:
+    client = await connect_async_redis(redis_url)
+    try:
+        connection, _ = await _pooled_connection_id(client)
+        reads = 0
+        parser_read = connection._parser.read_from_socket
+
+        async def counted() -> Any:
+            nonlocal reads
+            reads += 1
+            return await parser_read()
+
+        connection._parser.read_from_socket = counted
+        assert await connection.can_read_destructive() is False
+        assert reads == 0  # redis-py's check would have tried one under a zero timeout
+        await client.connection_pool.release(connection)
+        assert await client.ping() is True
+    finally:
+        await client.aclose()
+
+
+async def test_a_pooled_connection_the_server_closed_is_replaced_before_a_command(
+    redis_url: str,
+) -> None:
+    """Whether the loop saw the EOF already or it still waits in the kernel, the pool's
+    check finds it and reconnects: the command after it answers on a new connection."""
+    client = await connect_async_redis(redis_url)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        for loop_saw_it in (True, False):
+            connection, old_id = await _pooled_connection_id(client)
+            await client.connection_pool.release(connection)
+            admin.client_kill_filter(_id=old_id)
+            if loop_saw_it:
+                await asyncio.sleep(0.05)  # the loop delivers the EOF to the stream
+            else:
+                time.sleep(0.05)  # the FIN arrives; the loop does not run meanwhile
+            assert connection.is_connected  # the pool's check is what finds the EOF
+            reused, new_id = await _pooled_connection_id(client)
+            assert reused is connection and new_id != old_id  # reconnected, not failed
+            await client.connection_pool.release(reused)
+            assert await client.ping() is True
+    finally:
+        admin.close()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("loop_saw_it", [True, False])
+async def test_a_pooled_connection_holding_an_unread_reply_is_replaced(
+    redis_url: str, loop_saw_it: bool
+) -> None:
+    client = await connect_async_redis(redis_url)
+    try:
+        connection, old_id = await _pooled_connection_id(client)
+        await connection.send_command("ECHO", "stale")  # its reply is never read
+        if loop_saw_it:
+            await asyncio.sleep(0.05)  # in the stream's buffer
+        else:
+            time.sleep(0.05)  # in the socket's
+        await client.connection_pool.release(connection)
+        assert await client.echo("fresh") == b"fresh"
+        _, new_id = await _pooled_connection_id(client)
+        assert new_id != old_id
+    finally:
+        await client.aclose()

@@ -440,9 +440,9 @@ class Worker:
         ]
         try:
             if len(lanes) == 1:  # the usual batch: awaited here, not in a task of its own
-                results: list[Any] = [await lanes[0]]
-            else:
-                results = await asyncio.gather(*lanes, return_exceptions=True)
+                await lanes[0]
+                return
+            results = await asyncio.gather(*lanes, return_exceptions=True)
         finally:
             if started is not None:
                 started()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -230,8 +229,8 @@ class _VectoredConnection(aioredis.Connection):
         project's machine; and bytes or an EOF that reached the socket after the loop's last
         turn lose that race to the timeout, so a connection the server closed was handed out.
         Here, when nothing was buffered by the stream or its parser and no EOF seen, the
-        socket itself is asked (one ``select`` with no wait; a peek only if it is readable);
-        anything the stream or parser holds gets redis-py's own check.
+        socket itself is asked (a peek that does not wait, ~5 us); anything the stream or
+        parser holds gets redis-py's own check.
         """
         stream, writer, parser = self._reader, self._writer, self._parser
         hiredis_reader = getattr(parser, "_reader", None)
@@ -246,9 +245,10 @@ class _VectoredConnection(aioredis.Connection):
         ):
             sock = writer.get_extra_info("socket")
             if sock is not None:
-                if not select.select([sock], [], [], 0)[0]:
+                waiting = _peek(sock)
+                if waiting is None:
                     return False
-                if _peek(sock) == b"":
+                if not waiting:
                     raise RedisConnectionError("Connection closed by server.")
                 return True
         return cast(bool, await super().can_read_destructive())
@@ -293,15 +293,18 @@ class _VectoredConnection(aioredis.Connection):
 
 
 def _peek(sock: Any) -> bytes | None:
-    """A byte waiting on a socket the loop owns, without taking it: b"" at EOF, None if none
-    (read through a duplicate of its descriptor: asyncio's socket wrapper has no recv)."""
-    with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
-        try:
-            return dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:  # reset by the peer: as good as closed
-            return b""
+    """A byte waiting on a socket the loop owns, without taking it or waiting: b"" at EOF,
+    None if none. Read through a socket object over the same descriptor, detached after
+    (asyncio's socket wrapper has no recv; a ``select`` would refuse descriptors past 1023)."""
+    view = socket.socket(sock.family, sock.type, sock.proto, fileno=sock.fileno())
+    try:
+        return view.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:  # reset by the peer: as good as closed
+        return b""
+    finally:
+        view.detach()  # the descriptor stays the transport's
 
 
 async def _send_vectored(writer: asyncio.StreamWriter, pieces: list[Any]) -> None:

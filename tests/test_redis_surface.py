@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import resource
 import time
 from typing import Any
 
@@ -178,3 +180,29 @@ async def test_a_pooled_connection_holding_an_unread_reply_is_replaced(
         assert new_id != old_id
     finally:
         await client.aclose()
+
+
+async def test_the_pools_check_works_on_a_descriptor_past_1023(redis_url: str) -> None:
+    """A busy process's sockets get high descriptors; ``select`` refuses those past 1023."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1100:
+        if hard != resource.RLIM_INFINITY and hard < 1100:
+            pytest.skip(f"this process may open {hard} files, fewer than the test needs")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    fillers = []
+    try:
+        while len(fillers) < 1030 and (not fillers or fillers[-1] < 1024):
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        client = await connect_async_redis(redis_url)
+        try:
+            connection, _ = await _pooled_connection_id(client)
+            assert connection._writer.get_extra_info("socket").fileno() >= 1024
+            assert await connection.can_read_destructive() is False
+            await client.connection_pool.release(connection)
+            assert await client.ping() is True
+        finally:
+            await client.aclose()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

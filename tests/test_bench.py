@@ -46,6 +46,7 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
         assert window["replies_per_s"] > 0
         assert set(window["cpu_us_per_reply"]) == {"client", "worker", "redis"}
     assert result["figures"]["float16.inline.client_stats"]["claims_resolved"] == 0
+    assert result["figures"]["batch_size"] == 32  # the workers' own default
     configs = ("float16.defaults", "float16.inline", "float16.no_cache", "float16.half_results")
     assert set(result["ratios"]) == {*configs, *(f"{c}.cpu" for c in configs)}
     assert all(ratio > 0 for ratio in result["ratios"].values())

@@ -92,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result written to ``<out-dir>/transport.json``."""
     report = Report("transport", {k: str(v) for k, v in vars(args).items()})
+    report.figure("batch_size", args.batch_size)
     if args.clients or args.workers:
-        report.figure("batch_size", args.batch_size)
         figures = asyncio.run(run_scale(args, report))
         return report.finish(figures, scale_summary(figures) + _batch_note(args), args.out_dir)
     with contextlib.ExitStack() as stack:
@@ -208,7 +208,6 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
             await wait_for_workers(settings.redis.url, args.model, workers)
         size = await _vector_size(args.model, configs["no_cache"][2], workers_b)
         report.figure("vector_size", size)
-        report.figure("batch_size", args.batch_size)
         ratios: dict[str, float] = {}
         for salt, dtype in enumerate(wire_dtypes(args)):
             window = await run_probe(

@@ -17,12 +17,13 @@ Claim-check replies (a cache key instead of the vector) of one read are resolved
 a `ClaimResolver`, one MGET on the cache instance; the requests whose keys are gone are handed
 to ``on_claim_missed`` to be asked again for inline replies.
 
-Three ways to read, fastest first. On a plain single instance a `ReplyThread` reads, resolves
-claims and widens float16 vectors on a thread of its own, and the next read is asked for
-before the last one's replies are settled, so receiving overlaps the programs that consume
-them. On a cluster a `SlotPipe` (a `RespPipe` aimed at the node serving the reply stream)
-receives vectors in place on the event loop; over TLS redis-py reads. The loop settles every
-read the same way (`ReplyBatch`).
+Three ways to read, fastest first. Where Redis is plain TCP or a Unix socket (a single
+instance or a cluster) a `ReplyThread` reads, resolves claims and widens float16 vectors on a
+thread of its own, and the next read is asked for before the last one's replies are settled,
+so receiving overlaps the programs that consume them. A read the thread was redirected from
+(a cluster slot migrating) goes through a `SlotPipe` (a `RespPipe` aimed at the node serving
+the reply stream), which receives vectors in place on the event loop; over TLS redis-py
+reads. The loop settles every read the same way (`ReplyBatch`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 from lmqueue.shared import stage_trace
 from lmqueue.shared.backoff import Backoff
+from lmqueue.shared.cluster_targets import node_target
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Unavailable
 from lmqueue.shared.redis_errors import REDIS_DOWN
@@ -43,7 +45,7 @@ from lmqueue.shared.wire import Reply
 from .claims import ClaimResolver
 from .inflight import InflightTable
 from .reply_batch import ReplyBatch, after, decode_entries, run_id_of
-from .reply_thread import ReplyThread
+from .reply_thread import ReplyRedirected, ReplyThread
 from .resp_pipe import RespPipe
 from .slot_pipe import SlotPipe
 
@@ -161,16 +163,34 @@ class ReplyReader:
         """Trim what was read, check the server when due, block for new replies: one trip."""
         check = time.monotonic() >= self._next_check_s
         trim = after(self._last_id) if self._last_id != "0-0" else None
-        if self.thread is not None and not self._cluster:
-            batch = await self.thread.read(
-                self.stream, self._last_id, trim, check, self.read_count, BLOCK_MS
-            )
+        if self.thread is not None:
+            batch = await self._read_thread(self.thread, trim, check)
         else:
             read = self._read_pipe if self.pipe is not None else self._read_redis_py
             batch = await read(trim, check)
         if batch.run_id is not None:
             self._next_check_s = time.monotonic() + _IDENTITY_CHECK_S
             self._observe(batch.run_id)
+        return batch
+
+    async def _read_thread(self, thread: ReplyThread, trim: str | None, check: bool) -> ReplyBatch:
+        """A read on the reply thread; on a cluster, the masters' identities come through
+        redis-py, and a read the thread was redirected from goes through the slot pipe."""
+        run_id = await server_run_id(self.redis) if check and self._cluster else None
+        aim = None
+        if thread.needs_aim:
+            node = self.redis.get_node_from_key(self.stream)
+            aim = node_target(self.redis, node.host, node.port)
+        try:
+            batch = await thread.read(
+                self.stream, self._last_id, trim, check and not self._cluster, self.read_count,
+                BLOCK_MS, aim,
+            )  # fmt: skip
+        except ReplyRedirected:  # ASK: the slot is migrating, which the slot pipe follows
+            read = self._read_pipe if self.pipe is not None else self._read_redis_py
+            batch = await read(trim, False)
+        if run_id is not None:
+            batch.run_id = run_id
         return batch
 
     async def _read_pipe(self, trim: str | None, check: bool) -> ReplyBatch:

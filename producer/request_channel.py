@@ -6,11 +6,11 @@ reads them; further callers wait for a permit within their own deadline), joins 
 in-flight request if there is one, and otherwise gets a request id and a deadline in the
 `InflightTable`. The `Submitter` sends requests in micro-batches (shared-cache hits never
 reach a worker); the `ReplyReader` settles them from this client's reply stream (read on a
-`ReplyThread` of the client's own where Redis is a plain single instance: vectors received in
-place, claim-checks fetched from the shared cache, 16-bit vectors widened, all off the event
-loop) and resubmits everything in flight when Redis restarted. Both are tasks the channel
-owns between `start` and `close` (the reply thread with them); `close` fails whatever is
-still pending with `Cancelled`.
+`ReplyThread` of the client's own where Redis is plain TCP or a Unix socket, a single instance
+or a cluster: vectors received in place, claim-checks fetched from the shared cache, 16-bit
+vectors widened, all off the event loop) and resubmits everything in flight when Redis
+restarted. Both are tasks the channel owns between `start` and `close` (the reply thread
+with them); `close` fails whatever is still pending with `Cancelled`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 
 from lmqueue.shared.adapters import AdapterRecord
 from lmqueue.shared.cluster_client import cluster_rebuilds
+from lmqueue.shared.cluster_targets import SlotTargets
 from lmqueue.shared.connections import bounded, is_cluster
 from lmqueue.shared.errors import Cancelled, DeadlineExceeded
 from lmqueue.shared.partitions import Partitioning, stream_partitions
@@ -145,11 +146,16 @@ class RequestChannel:
     def _reply_thread(
         self, redis: Any, cache_redis: Any, settings: ClientSettings
     ) -> ReplyThread | None:
-        """A reply thread, where the queue and the cache are plain single instances."""
-        if not (RespPipe.supports(settings.redis.url) and self.pipes[1] is not None):
+        """A reply thread, where the queue and the cache are plain TCP or Unix sockets (each a
+        single instance or a cluster)."""
+        if not (
+            RespPipe.supports(settings.redis.url)
+            and RespPipe.supports(settings.redis.effective_cache_url)
+        ):
             return None
-        replies, cache = target_of(redis), target_of(cache_redis)
-        if replies is None or cache is None:
+        replies = None if is_cluster(redis) else target_of(redis)
+        cache = SlotTargets(cache_redis) if is_cluster(cache_redis) else target_of(cache_redis)
+        if (replies is None and not is_cluster(redis)) or cache is None:
             return None
         redis_settings = settings.redis
         return ReplyThread(

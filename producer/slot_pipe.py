@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError, TryAgainError
 
 from .resp_pipe import RespPipe
 
-__all__ = ["SlotPipe"]
+__all__ = ["SlotPipe", "redirect_of"]
 
 
 class SlotPipe:
@@ -45,7 +45,7 @@ class SlotPipe:
             self._aimed = True
         try:
             results = await self.pipe.execute(*commands)
-            redirect = _redirect(results)
+            redirect = redirect_of(results)
             if redirect is None:
                 return results
             self.redirects += 1
@@ -57,7 +57,7 @@ class SlotPipe:
         except BaseException:
             self._aimed = False
             raise
-        if _redirect(results) is not None:
+        if redirect_of(results) is not None:
             self._aimed = False
             raise TryAgainError(f"{self.key}: redirected twice; the slot map is changing")
         return results
@@ -78,7 +78,7 @@ class SlotPipe:
         self.pipe.close()
 
 
-def _redirect(results: list[Any]) -> tuple[str, str, int] | None:
+def redirect_of(results: list[Any]) -> tuple[str, str, int] | None:
     """``(kind, host, port)`` of the first MOVED or ASK error among `results`, else None."""
     for result in results:
         if isinstance(result, ResponseError):

@@ -305,11 +305,12 @@ async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment
         "smollm2-135m", redis_url=served_any, connect_timeout_s=60
     ) as lm:
         on_cluster = isinstance(lm.channel.redis, aiocluster.RedisCluster)
-        pipes = list(lm.channel.pipes)
+        pipes, thread = list(lm.channel.pipes), lm.channel.thread
         results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
         lm.clear_cache()
         again = await lm.next_token_logprobs(prompts[0])  # from the shared cache
         stats = lm.stats
+        aimed = thread is not None and not thread.needs_aim  # at the reply stream's master
     for prompt, result in zip(prompts, results, strict=True):
         assert torch.equal(result, reference.logprobs_of(prompt))
     assert torch.equal(again, results[0])
@@ -322,8 +323,12 @@ async def test_a_worker_process_and_a_client_answer_exactly_on_either_deployment
     # claim-checks: on a cluster the worker writes cache entries before the replies, so a
     # claimed entry is always there
     assert stats["claims_missed"] == 0 and stats["claims_resolved"] > 0, stats
-    if on_cluster:  # received in place from the masters, none through redis-py
-        assert pipes[2].answered == stats["claims_resolved"] and pipes[2].refusals == 0
+    # read on the client's reply thread on either, claims resolved there: on a cluster from
+    # every master, by one snapshot of the slot map, none on the loop (nor through redis-py)
+    assert thread is not None and thread.redirects == 0 and aimed
+    if on_cluster:
+        assert thread.slots is not None and thread.slots.taken == 1
+        assert pipes[2].answered == 0 and pipes[2].refusals == 0
 
 
 @pytest.mark.cluster
@@ -344,14 +349,16 @@ async def test_the_cache_role_alone_can_be_a_cluster(
             first = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
             lm.clear_cache()
             second = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
-            stats, nodes = lm.stats, lm.channel.claims.nodes
+            stats, nodes, thread = lm.stats, lm.channel.claims.nodes, lm.channel.thread
     finally:
         assert worker.stop() == 0, worker.log()
     for prompt, a, b in zip(prompts, first, second, strict=True):
         assert torch.equal(a, reference.logprobs_of(prompt)) and torch.equal(a, b)
     # every first answer came as a claim-check on the cluster, every second from its cache
     assert stats["claims_resolved"] == 100 and stats["claims_missed"] == 0, stats
-    assert nodes is not None and nodes.answered == 100 and nodes.refusals == 0
+    # resolved on the reply thread, from the cluster's masters (the loop's pipes read none)
+    assert thread is not None and thread.slots is not None and thread.redirects == 0
+    assert nodes is not None and nodes.answered == 0 and nodes.refusals == 0
     assert stats["cache_hits"] == 100 and stats["sent"] == 100, stats
 
 

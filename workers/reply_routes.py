@@ -14,6 +14,7 @@ from typing import Any
 
 from redis.asyncio.connection import SSLConnection
 
+from lmqueue.shared.cluster_targets import node_target
 from lmqueue.shared.connections import is_cluster
 from lmqueue.shared.resp_socket import Target, target_of
 
@@ -49,8 +50,5 @@ class Routes:
         address = (node.host, int(node.port))
         target = self._nodes.get(address)
         if target is None:
-            kwargs = self.client.nodes_manager.connection_kwargs
-            target = {"host": address[0], "port": address[1]}
-            target.update({k: kwargs[k] for k in ("username", "password") if kwargs.get(k)})
-            self._nodes[address] = target
+            target = self._nodes[address] = node_target(self.client, *address)
         return target

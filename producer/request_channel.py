@@ -259,10 +259,11 @@ class RequestChannel:
             return joined
         remaining_s = max(timeout_s - (time.time() - started), 0.001) if timeout_s else 0
         deadline_ms = int((started + timeout_s) * 1000) if timeout_s else 0
+        logprobs = kind == "logprobs"
         request = Request(
             self.inflight.next_request_id(), self.client_id, prompt.tokens, kind, dtype,
-            deadline_ms, claims=kind == "logprobs" and self.claims.enabled,
-            adapter=prompt.adapter, packs=True, **extra,
+            deadline_ms, claims=logprobs and self.claims.enabled, adapter=prompt.adapter,
+            packs=True, looked=logprobs and self.submitter.cache is not None, **extra,
         )  # fmt: skip
         pending = self.inflight.add(request, prompt, dedup_key, remaining_s)
         self.submitter.submit(pending)
@@ -274,7 +275,7 @@ class RequestChannel:
         for request_id in request_ids:
             pending = self.inflight.get(request_id)
             if pending is not None:
-                pending.request = replace(pending.request, claims=False)
+                pending.request = replace(pending.request, claims=False, looked=False)
                 pending.inline_retry = True
                 again.append(pending)
         self.submitter.resubmit(again)

@@ -20,6 +20,10 @@ processes: docs/benchmarks-history.md, section 1). Only senders that say they re
 (``packs``) get packed entries. Results with a payload stay an entry each: a read's size stays
 bounded by its entry count.
 
+A request whose client looked its result up in the shared cache just before sending it (and
+missed) says so (``looked``): the worker then looks it up again only where it wrote that
+result itself since (`workers.recent_writes`), instead of a second lookup of every request.
+
 A request for a LoRA adapter names it in ``adapter`` (absent: the base model). The name is
 untrusted tenant input: the decoder checks its shape (`shared.adapters.ADAPTER_NAME`), the
 worker that it is served and that the tenant may use it.
@@ -307,6 +311,8 @@ class Request:
     adapter: str | None = None
     #: The sender reads packed reply entries (see the module docstring).
     packs: bool = False
+    #: The sender looked the result up in the shared cache before sending, and missed.
+    looked: bool = False
 
     @property
     def tokens(self) -> np.ndarray:
@@ -367,6 +373,8 @@ def encode_request(request: Request) -> dict[str, bytes]:
         envelope["adapter"] = request.adapter
     if request.packs:
         envelope["packs"] = True
+    if request.looked:
+        envelope["looked"] = True
     return {"m": _pack(envelope)}
 
 
@@ -427,9 +435,10 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
         if not ADAPTER_NAME.match(adapter):
             raise MalformedMessage(f"invalid adapter name {adapter[:80]!r}")
     packs = "packs" in envelope and _field(envelope, "packs", bool)
+    looked = "looked" in envelope and _field(envelope, "looked", bool)
     return Request(
         request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes, vocab,
-        claims, adapter, packs,
+        claims, adapter, packs, looked,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import torch
 
 from lmqueue.devstack import LocalRedis
 from lmqueue.producer import QueueLM
+from lmqueue.producer import submitter as submitter_module
 from lmqueue.producer.claims import ClaimResolver
 from lmqueue.shared.connections import async_redis
 from lmqueue.shared.errors import MalformedMessage
@@ -173,8 +174,38 @@ class _EvictingSocket(_Evicting):
         self.inner.close()
 
 
+@pytest.fixture
+def sent_requests(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every request the clients of this test encode for a request stream, in order."""
+    sent: list[Any] = []
+
+    def recording(request: Any) -> dict[str, bytes]:
+        sent.append(request)
+        return encode_request(request)
+
+    monkeypatch.setattr(submitter_module, "encode_request", recording)
+    return sent
+
+
+async def test_a_client_says_which_requests_it_looked_up_in_the_shared_cache(
+    backend, redis_url, sent_requests
+):
+    async with serving(backend, redis_url):
+        async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
+            await lm.next_token_logprobs([3, 1, 4])
+        async with await QueueLM.connect(
+            "mock", redis_url=redis_url, timeout_s=10, use_shared_cache=False
+        ) as lm:
+            await lm.next_token_logprobs([3, 1, 5])
+    assert [(r.token_bytes, r.looked) for r in sent_requests] == [
+        (ids_to_bytes([3, 1, 4]), True), (ids_to_bytes([3, 1, 5]), False)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("path", ["thread", "pipe", "redis-py"])
-async def test_an_evicted_claim_is_asked_again_inline_and_ends_once(backend, redis_url, path):
+async def test_an_evicted_claim_is_asked_again_inline_and_ends_once(
+    backend, redis_url, path, sent_requests
+):
     async with serving(backend, redis_url) as worker:
         async with await QueueLM.connect("mock", redis_url=redis_url, timeout_s=10) as lm:
             thread = lm.channel.reader.thread
@@ -193,6 +224,10 @@ async def test_an_evicted_claim_is_asked_again_inline_and_ends_once(backend, red
     assert stats["claims_missed"] == len(PROMPTS) and stats["claims_resolved"] == 0
     assert stats["sent"] == 2 * len(PROMPTS) and stats["duplicate_replies"] == 0
     assert stats["inflight"] == 0 and worker.answered == 2 * len(PROMPTS)
+    # asked again without looking in the shared cache first, nor saying it looked
+    assert [(r.claims, r.looked) for r in sent_requests] == (
+        [(True, True)] * len(PROMPTS) + [(False, False)] * len(PROMPTS)
+    )
 
 
 async def test_a_client_on_another_cache_than_the_workers_still_gets_every_result(

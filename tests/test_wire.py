@@ -53,6 +53,17 @@ def test_a_request_says_whether_its_sender_reads_packed_replies():
         assert decode_request(_as_read(encode_request(request))).packs is packs
 
 
+def test_a_request_says_whether_its_sender_looked_it_up_in_the_shared_cache():
+    for looked in (False, True):
+        request = Request("c1:9", "c1", ids_to_bytes([5]), looked=looked)
+        envelope = msgpack.unpackb(encode_request(request)["m"])
+        assert ("looked" in envelope) is looked
+        assert decode_request(_as_read(encode_request(request))).looked is looked
+    envelope = msgpack.unpackb(encode_request(Request("c1:9", "c1", ids_to_bytes([5])))["m"])
+    with pytest.raises(MalformedMessage, match="looked"):
+        decode_request({b"m": msgpack.packb({**envelope, "looked": 1})})
+
+
 @pytest.mark.parametrize("count", [1, 15, 16, 70, 4096])
 def test_packed_replies_decode_in_order_as_they_would_one_by_one(count):
     singles = [

@@ -86,6 +86,32 @@ async def test_a_cached_prompt_is_answered_without_the_backend(aredis, make_work
     assert (await _replies(aredis, "c2"))["c2:0"].cached
 
 
+async def test_a_request_its_client_looked_up_is_looked_up_again_only_if_this_worker_wrote_it(
+    aredis, make_worker, backend
+):
+    worker = make_worker()
+    await worker.publish()
+    cache = SharedCache(aredis, KEYS, MODEL, backend.revision)
+    # in the cache, but not written by this worker: a looked-up request is computed ...
+    await aredis.set(cache.key("float32", ids_to_bytes([6, 6])), backend.logprobs_of([6, 6])
+                     .numpy().astype("<f4").tobytes())  # fmt: skip
+    await _enqueue(aredis, [[6, 6]], client="c1", looked=True)
+    await worker.run_until_idle()
+    assert not (await _replies(aredis, "c1"))["c1:0"].cached
+    computed = len(backend.batch_sizes)
+    # ... one not looked up is found there
+    await _enqueue(aredis, [[6, 6]], client="c2")
+    await worker.run_until_idle()
+    assert (await _replies(aredis, "c2"))["c2:0"].cached and len(backend.batch_sizes) == computed
+    # written by this worker since: a looked-up request finds it too
+    await _enqueue(aredis, [[7, 7]], client="c3", looked=True)
+    await worker.run_until_idle()
+    await _enqueue(aredis, [[7, 7]], client="c4", looked=True)
+    await worker.run_until_idle()
+    assert not (await _replies(aredis, "c3"))["c3:0"].cached
+    assert (await _replies(aredis, "c4"))["c4:0"].cached
+
+
 async def test_the_model_is_published_for_clients(aredis, make_worker, smol_tokenizer):
     worker = make_worker()
     await worker.publish()

@@ -58,6 +58,7 @@ from .adapter_set import AdapterSet
 from .late_binding import ForwardPart
 from .metrics import WorkerMetrics
 from .outcome import Outcome, Payload
+from .recent_writes import RecentWrites
 from .request_stream import Entry
 
 __all__ = ["BatchProcessor", "ForwardGate", "MassComputer"]
@@ -158,8 +159,11 @@ class BatchProcessor:
         adapters: AdapterSet | None = None,
         tenant: str = "default",
         gate: ForwardGate | None = None,
+        recent: RecentWrites | None = None,
     ) -> None:
         self.backend = backend
+        #: The shared-cache keys this worker wrote lately (shared by its lanes).
+        self.recent = recent if recent is not None else RecentWrites()
         self.cache = cache
         self.adapters = adapters
         self.tenant = tenant
@@ -291,12 +295,10 @@ class BatchProcessor:
     async def _answer(
         self, jobs: list[_Job], outcome: Outcome, forward: ForwardPart | None = None
     ) -> None:
-        wanted: dict[PromptKey, set[str]] = {}
-        for job in jobs:
-            wanted.setdefault(job.prompt, set()).add(_vector_dtype(job.request))
+        wanted, unlooked = _wanted(jobs)
         #: (prompt, dtype) -> its cache key, made once (a digest each) for the lookup and the write
         cache_keys = self._cache_keys(wanted)
-        payloads = await self._cached_payloads(cache_keys)
+        payloads = await self._cached_payloads(cache_keys, unlooked)
         missing = sorted(
             (
                 prompt
@@ -328,6 +330,7 @@ class BatchProcessor:
                 if key is not None:
                     written[(prompt, dtype)] = key
                     outcome.cache_puts.append((key, payload))
+        self.recent.add(written.values())
         masses = []  # computed together: whole-vector masses share one bulk trie call
         for job in jobs:
             request, prompt = job.request, job.prompt
@@ -364,12 +367,20 @@ class BatchProcessor:
         }
 
     async def _cached_payloads(
-        self, cache_keys: dict[tuple[PromptKey, str], str]
+        self,
+        cache_keys: dict[tuple[PromptKey, str], str],
+        unlooked: set[tuple[PromptKey, str]],
     ) -> dict[tuple[PromptKey, str], Payload]:
+        """What the shared cache holds of what is wanted: looked up where no client looked
+        just before, or where this worker has written it since (`RecentWrites`)."""
         if self.cache is None:
             return {}
-        keys = list(cache_keys)
-        values = await self.cache.get_many(list(cache_keys.values()), [dtype for _, dtype in keys])
+        recent = self.recent
+        keys = [wire for wire, key in cache_keys.items() if wire in unlooked or key in recent]
+        if not keys:
+            return {}
+        values = await self.cache.get_many([cache_keys[wire] for wire in keys],
+                                           [dtype for _, dtype in keys])  # fmt: skip
         found: dict[tuple[PromptKey, str], Payload] = {
             key: value for key, value in zip(keys, values, strict=True) if value is not None
         }
@@ -437,6 +448,21 @@ class BatchProcessor:
             if len(failed) > 1:
                 results.update(await self._isolate(failed))
         return results
+
+
+def _wanted(
+    jobs: Sequence[_Job],
+) -> tuple[dict[PromptKey, set[str]], set[tuple[PromptKey, str]]]:
+    """The dtypes wanted of each distinct prompt, and the (prompt, dtype) pairs some request
+    wants that its client did not look up in the shared cache just before sending."""
+    wanted: dict[PromptKey, set[str]] = {}
+    unlooked: set[tuple[PromptKey, str]] = set()
+    for job in jobs:
+        dtype = _vector_dtype(job.request)
+        wanted.setdefault(job.prompt, set()).add(dtype)
+        if not job.request.looked:
+            unlooked.add((job.prompt, dtype))
+    return wanted, unlooked
 
 
 def _vector_dtype(request: Request) -> str:

@@ -47,6 +47,7 @@ from .metrics import WorkerMetrics
 from .outcome import Outcome
 from .partition_reader import PartitionReader
 from .processor import BatchProcessor, ForwardGate, MassComputer
+from .recent_writes import RecentWrites
 from .reply_writer import ReplyWriter
 from .request_stream import Entry, RequestStream
 from .writer_thread import WriterThread
@@ -109,6 +110,8 @@ class TenantLanes:
         self.keys = settings.redis.keyspace()
         #: One gate for all lanes: a batch isolating a failure has the backend to itself.
         self.gate = ForwardGate()
+        #: The shared-cache keys this worker wrote lately, for every lane's lookups.
+        self.recent = RecentWrites()
         self.partitions = stream_partitions(info.partitions)
         self.reader: PartitionReader[Lane] = PartitionReader(
             redis, settings, info.partitions, metrics
@@ -157,7 +160,7 @@ class TenantLanes:
             )  # fmt: skip
         processor = BatchProcessor(
             self.backend, cache, info.max_prompt_tokens, settings.max_request_bytes, self.masses,
-            self.metrics, self.adapters, tenant, self.gate,
+            self.metrics, self.adapters, tenant, self.gate, self.recent,
         )  # fmt: skip
         writer = ReplyWriter(
             self.redis, stream, keys, settings, cache, self.metrics, self.writer_thread

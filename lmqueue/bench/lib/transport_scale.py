@@ -3,7 +3,9 @@ with N client processes, on one Redis and on a 3-master Redis Cluster.
 
 The worker is the mock with precomputed vectors, so what is measured is the queue. Each
 client is a process of its own (`transport_client`), keeping ``--concurrency / N`` calls
-outstanding; every prompt is distinct. Two deployments, interleaved in one run:
+outstanding; every prompt is distinct. Clients are as shipped: they look each request up in
+the shared cache before sending it (``use_shared_cache``), and the worker does not look it up
+again (`workers.recent_writes`); before 2026-12-07 they did not look, and the worker did. Two deployments, interleaved in one run:
 
 * ``single``: one redis-server holds the queue and the shared cache (claim-checks on);
 * ``cluster``: a local Redis Cluster of 3 masters (`LocalCluster`, no replicas) holds both,
@@ -155,7 +157,8 @@ async def _clients(
     args: argparse.Namespace, deployment: _Deployment, count: int, dtype: str
 ) -> AsyncIterator[list[ClientProcess]]:
     settings = {"url": deployment.url, "model": args.model, "dtype": dtype,
-                "concurrency": max(args.concurrency // count, 1)}  # fmt: skip
+                "concurrency": max(args.concurrency // count, 1),
+                "use_shared_cache": True}  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         procs = [ClientProcess(settings) for _ in range(count)]
         await asyncio.gather(*(stack.enter_async_context(p) for p in procs))

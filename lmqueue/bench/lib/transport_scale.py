@@ -5,7 +5,8 @@ The worker is the mock with precomputed vectors, so what is measured is the queu
 client is a process of its own (`transport_client`), keeping ``--concurrency / N`` calls
 outstanding; every prompt is distinct. Clients are as shipped: they look each request up in
 the shared cache before sending it (``use_shared_cache``), and the worker does not look it up
-again (`workers.recent_writes`); before 2026-12-07 they did not look, and the worker did. Two deployments, interleaved in one run:
+again (`workers.recent_writes`); before 2026-12-07 they did not look, and the worker did.
+Two deployments, interleaved in one run:
 
 * ``single``: one redis-server holds the queue and the shared cache (claim-checks on);
 * ``cluster``: a local Redis Cluster of 3 masters (`LocalCluster`, no replicas) holds both,

@@ -11,9 +11,11 @@ loop, whose redis-py client follows redirections and refreshes its map.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import SlotNotCoveredError
 
 from .resp_socket import Target
 
@@ -48,9 +50,13 @@ class SlotTargets:
         return self._table
 
     def _take(self) -> list[Target | None]:
+        manager = self.cluster.nodes_manager
+        # redis-py applies a MOVED it met to its map on its next lookup: one, first
+        with contextlib.suppress(SlotNotCoveredError):
+            manager.get_node_from_slot(0)
         table: list[Target | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         by_address: dict[tuple[str, int], Target] = {}
-        for slot, nodes in list(self.cluster.nodes_manager.slots_cache.items()):
+        for slot, nodes in list(manager.slots_cache.items()):
             if not nodes:
                 continue
             address = (nodes[0].host, int(nodes[0].port))

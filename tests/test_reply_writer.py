@@ -248,7 +248,7 @@ async def test_a_slot_moved_under_the_writer_thread_is_written_through_redis_py(
     redis_cluster: Any, cluster_url: str
 ) -> None:
     """redis-py's slot map still names the old master: the thread meets MOVED there, and the
-    batch goes through redis-py, which follows it."""
+    batch goes through redis-py, which follows it; the next batch is routed by the new map."""
     client = await connect_async_redis(cluster_url)
     thread = WriterThread()
     reply_key = KEYS.replies("moved-client")
@@ -264,12 +264,17 @@ async def test_a_slot_moved_under_the_writer_thread_is_written_through_redis_py(
         outcome = Outcome()
         outcome.result("moved-client", "m:1", VECTOR.data.cast("B"), "float32", cached=False)
         await writer.flush(outcome)
+        assert writer.redirected == 1 and await client.xlen(reply_key) == 1
+        # the next batch goes on the thread again, to the new master: its map taken afresh
+        again = Outcome()
+        again.result("moved-client", "m:2", VECTOR.data.cast("B"), "float32", cached=False)
+        await writer.flush(again)
         rows = await client.xrange(reply_key)
     finally:
         await thread.aclose()
         await client.aclose()
-    assert writer.redirected == 1 and len(rows) == 1
-    assert np.array_equal(decode_reply(rows[0][1]).vector(), VECTOR)
+    assert writer.redirected == 1 and len(rows) == 2
+    assert np.array_equal(decode_reply(rows[1][1]).vector(), VECTOR)
 
 
 def test_reply_entries_pack_up_to_the_bound_per_client_and_keep_the_rest() -> None:

@@ -147,6 +147,8 @@ class ReplyWriter:
             await thread.run(self._write_blocking, thread, outcome, reply_keys, routes)
         except Redirected as exc:
             self.redirected += 1
+            self._routes.stale()
+            self._cache_routes.stale()
             logger.info("a slot moved (%s); writing this batch through redis-py", exc)
             await self._put_apart(outcome)
             await bounded(self._write(outcome), self.settings.redis.stall_timeout_s,

@@ -4,9 +4,10 @@ A thread with blocking connections (`RespSocket`) cannot use redis-py's asyncio 
 client, whose slot map belongs to the event loop (redis-py updates it in place when a node
 answers ``MOVED``). So the loop hands the thread plain addresses: `node_target` for one node,
 and `SlotTargets`, a snapshot of the whole map (16,384 slots, one `Target` object per master, so
-a thread can group keys by it), taken on the loop and taken again once marked stale. A thread
-that meets a redirection or a lost node marks it stale and leaves the keys concerned to the
-loop, whose redis-py client follows redirections and refreshes its map.
+a thread can group keys by it), taken on the loop and taken again once marked stale or once
+redis-py has replaced its map (after a failover or a lost node). A thread that meets a
+redirection or a lost node marks it stale and leaves the keys concerned to the loop, whose
+redis-py client follows redirections and refreshes its map.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ class SlotTargets:
         #: Snapshots taken so far (the first included).
         self.taken = 0
         self._table: list[Target | None] = []
+        self._source: Any = None  # the map the snapshot was taken of
 
     def table(self) -> list[Target | None]:
-        """The snapshot, taken again first if it is stale (call on the event loop); a slot no
-        master serves is None. A thread may keep reading a table it was handed."""
-        if self.stale:
+        """The snapshot, taken again first if it is stale or redis-py has taken a new map
+        since (after a failover or a lost node: it replaces its map whole), on the event loop;
+        a slot no master serves is None. A thread may keep reading a table it was handed."""
+        if self.stale or self.cluster.nodes_manager.slots_cache is not self._source:
             self._table = self._take()
             self.stale = False
             self.taken += 1
@@ -56,7 +59,8 @@ class SlotTargets:
             manager.get_node_from_slot(0)
         table: list[Target | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         by_address: dict[tuple[str, int], Target] = {}
-        for slot, nodes in list(manager.slots_cache.items()):
+        self._source = manager.slots_cache
+        for slot, nodes in list(self._source.items()):
             if not nodes:
                 continue
             address = (nodes[0].host, int(nodes[0].port))

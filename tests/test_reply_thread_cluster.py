@@ -189,3 +189,13 @@ async def test_a_reply_stream_whose_slot_migrates_is_read_through_the_slot_pipe(
     # handed over: the thread is aimed from redis-py's map, follows the MOVED, and reads it
     batch = await reader._read()
     assert [r.request_id for r in batch.ready] == ["r0"] and not thread.needs_aim
+
+
+async def test_a_snapshot_is_taken_again_once_redis_py_takes_a_new_map(client):
+    """After a failover or a lost node redis-py reads the map afresh; a snapshot of the old one
+    would keep sending a thread to a dead master (the writer thread did, in the fault runs)."""
+    slots = SlotTargets(client)
+    first = slots.table()
+    assert slots.table() is first and slots.taken == 1
+    await client.nodes_manager.initialize()  # what redis-py does after a node was lost
+    assert slots.table() is not first and slots.taken == 2

@@ -27,8 +27,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from redis.crc import key_slot
-
 from lmqueue.shared.cluster_targets import SlotTargets
 from lmqueue.shared.job_thread import JobThread
 from lmqueue.shared.redis_errors import REDIS_DOWN
@@ -230,7 +228,7 @@ class ReplyThread:
         groups: dict[int, tuple[Target, list[int], list[bytes]]] = {}
         for index, reply in enumerate(claims):
             raw = reply.claim if isinstance(reply.claim, bytes) else str(reply.claim).encode()
-            target = table[key_slot(raw)]
+            target = SlotTargets.of(table, raw)
             if target is not None:
                 group = groups.setdefault(id(target), (target, [], []))
                 group[1].append(index)

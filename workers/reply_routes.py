@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from redis.asyncio.connection import SSLConnection
-from redis.crc import key_slot
 
 from lmqueue.shared.cluster_targets import SlotTargets, node_target
 from lmqueue.shared.connections import is_cluster
@@ -51,7 +50,7 @@ class Routes:
         if self._single is not None:
             return self._single
         assert self._slots is not None
-        target = self._slots.table()[key_slot(key.encode())]
+        target = SlotTargets.of(self._slots.table(), key.encode())
         if target is None:  # no master in the snapshot: redis-py's map says, or raises
             node = self.client.get_node_from_key(key)
             self._slots.stale = True

@@ -35,9 +35,10 @@ T = TypeVar("T")
 _SHARE_WEIGHT = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Pick(Generic[T]):
-    """One request chosen for a batch: whose it is, the item, and the cost charged for it."""
+    """One request chosen for a batch: whose it is, the item, and the cost charged for it (a
+    value, made once a request: not declared frozen, as `lmqueue.shared.wire.Request`)."""
 
     tenant: str
     item: T

@@ -27,9 +27,11 @@ __all__ = ["Outcome", "Claimable"]
 Payload = bytes | memoryview | DeferredPayload
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Claimable:
-    """A result that travels as a claim-check if its cache entry gets written, else inline."""
+    """A result that travels as a claim-check if its cache entry gets written, else inline (a
+    value, made once a reply on the worker's loop: not declared frozen, as
+    `lmqueue.shared.wire.Request`)."""
 
     client_id: str
     request_id: str

@@ -18,7 +18,7 @@ remembered after its entry left the cache is looked up and misses, as before.
 
 from __future__ import annotations
 
-import itertools
+from collections import OrderedDict
 from collections.abc import Iterable
 
 __all__ = ["DEFAULT_CAPACITY", "RecentWrites"]
@@ -28,13 +28,18 @@ DEFAULT_CAPACITY = 65_536
 
 
 class RecentWrites:
-    """The last `capacity` shared-cache keys this worker wrote."""
+    """The last `capacity` shared-cache keys this worker wrote.
+
+    An `OrderedDict`, whose oldest key is dropped in constant time: a plain dict kept in
+    order by deleting from its front made each drop skip the slots freed before it (until the
+    dict is resized): 1.1-1.3 against 0.4-0.7 us a key when full (batches of 32 keys).
+    """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._keys: dict[str, None] = {}
+        self._keys: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -46,9 +51,7 @@ class RecentWrites:
         """Remember `keys` as written now (a key written again moves to the newest end)."""
         remembered = self._keys
         for key in keys:
-            remembered.pop(key, None)
             remembered[key] = None
-        excess = len(remembered) - self.capacity
-        if excess > 0:
-            for key in list(itertools.islice(remembered, excess)):
-                del remembered[key]
+            remembered.move_to_end(key)
+        while len(remembered) > self.capacity:
+            remembered.popitem(last=False)

@@ -25,9 +25,10 @@ __all__ = ["Entry", "PendingInfo", "RequestStream"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
-    """One stream entry as read: its id and raw fields."""
+    """One stream entry as read: its id and raw fields (a value, not declared frozen for the
+    same reason as `lmqueue.shared.wire.Request`)."""
 
     entry_id: str
     fields: dict[bytes, bytes]
@@ -46,7 +47,7 @@ class Entry:
                 decoded = decode_request(self.fields)
             except MalformedMessage as exc:
                 decoded = exc
-            object.__setattr__(self, "_decoded", decoded)  # a cache: not part of its value
+            self._decoded = decoded  # a cache: not part of its value
         if isinstance(decoded, MalformedMessage):
             raise decoded
         return decoded

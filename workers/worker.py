@@ -383,8 +383,10 @@ class Worker:
             credit = self.returning.credit(lane.tenant)
             for entry in entries:
                 self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
-                with contextlib.suppress(MalformedMessage):  # answered when it is picked
-                    entry.request()  # decoded as read, mostly during a forward (`Entry.request`)
+                try:  # decoded as read, mostly during a forward (`Entry.request`); not
+                    entry.request()  # contextlib.suppress: an object and two calls an entry
+                except MalformedMessage:
+                    pass  # answered when it is picked
         if stage_trace.enabled():
             queued = ((t, self.scheduler.backlog(t)) for t in self.lanes.tenants())
             stage_trace.mark("read", _tenant_counts(queued))

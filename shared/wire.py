@@ -435,14 +435,16 @@ def _request_from_envelope(envelope: dict[str, Any]) -> Request:
             _check_id_bytes(node_bytes)
         if "vocab" in envelope:
             vocab = _field(envelope, "vocab", str)
-    claims = "claims" in envelope and _field(envelope, "claims", bool)
+    claims, packs, looked = get("claims", False), get("packs", False), get("looked", False)
+    if not (type(claims) is bool and type(packs) is bool and type(looked) is bool):
+        claims = "claims" in envelope and _field(envelope, "claims", bool)
+        packs = "packs" in envelope and _field(envelope, "packs", bool)
+        looked = "looked" in envelope and _field(envelope, "looked", bool)
     adapter = None
     if "adapter" in envelope:
         adapter = _field(envelope, "adapter", str)
         if not ADAPTER_NAME.match(adapter):
             raise MalformedMessage(f"invalid adapter name {adapter[:80]!r}")
-    packs = "packs" in envelope and _field(envelope, "packs", bool)
-    looked = "looked" in envelope and _field(envelope, "looked", bool)
     return Request(
         request_id, client_id, tokens, kind, dtype, deadline_ms, mass_op, node_bytes, vocab,
         claims, adapter, packs, looked,

@@ -211,10 +211,22 @@ class KeySpace:
         keeps the key in the tenant's own namespace even if it shares a pool (a private
         adapter's rows are never pooled).
         """
-        digest = token_digest(token_bytes)
+        prefix = self.cache_prefix(model, revision, kind, adapter_tag, own_namespace)
+        return prefix + token_digest(token_bytes)
+
+    def cache_prefix(
+        self,
+        model: str,
+        revision: str,
+        kind: str,
+        adapter_tag: str = "",
+        own_namespace: bool = False,
+    ) -> str:
+        """What `cache_entry`'s keys of these arguments start with: all but the tokens'
+        digest (`shared.shared_cache.SharedCache` keeps its base model's, one a dtype)."""
         namespace = self.tenant if own_namespace else self.cache_namespace or self.tenant
         weights = f"{revision}~{adapter_tag}" if adapter_tag else revision
-        return f"{self.prefix}:{namespace}:cache:{model}:{weights}:{kind}:{digest}"
+        return f"{self.prefix}:{namespace}:cache:{model}:{weights}:{kind}:"
 
     def quota(self, model: str, partition: int | None = None) -> str:
         """The tenant's limits for the model (hash), read by its admission script.

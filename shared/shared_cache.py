@@ -21,7 +21,7 @@ from typing import Any
 
 from .adapters import AdapterRecord
 from .connections import bounded, multi_get
-from .keys import KeySpace
+from .keys import KeySpace, token_digest
 from .prompt_key import PromptKey
 from .wire import holds_vector, payload_bytes
 
@@ -59,13 +59,26 @@ class SharedCache:
         #: The model's adapter records by name: the owner's own dict (client or worker), which
         #: it keeps current in place; an adapter's keys carry its record's revision.
         self.adapters: dict[str, AdapterRecord] = {} if adapters is None else adapters
+        #: The base model's key prefix of each dtype (`KeySpace.cache_prefix`), made once.
+        self._base_prefixes: dict[str, str] = {}
 
     def key_of(self, prompt: PromptKey, dtype: str) -> str:
         """The cache key of `prompt`'s log-probabilities in `dtype` (`PromptKey.cache_key`).
 
+        A base-model prompt's key is its dtype's prefix, made once, and its tokens' digest: a
+        key a request on the worker's loop and in the client, where the calls that build the
+        prefix again each time cost about as much as the digest.
+
         Raises:
             KeyError: the prompt's adapter is not in `adapters` (callers check names first).
         """
+        if prompt.adapter is None:
+            prefix = self._base_prefixes.get(dtype)
+            if prefix is None:
+                prefix = self._base_prefixes[dtype] = self._keys.cache_prefix(
+                    self._model, self._revision, logprobs_kind(dtype)
+                )
+            return prefix + token_digest(prompt.tokens)
         return prompt.cache_key(
             self._keys, self._model, self._revision, logprobs_kind(dtype), self.adapters
         )

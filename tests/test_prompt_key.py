@@ -112,6 +112,8 @@ def test_the_cache_key_spelling_is_the_one_existing_caches_hold():
     for cache, prompt, dtype, key in expected:
         assert cache.key_of(prompt, dtype) == key
         assert cache.key(dtype, prompt.tokens, prompt.adapter) == key  # the raw-fields spelling
+    for dtype in ("float32", "float16", "float32"):  # the base model's prefix, once a dtype
+        assert own.key_of(base, dtype) == f"lmq:alice:cache:SmolLM2-135M:rev1:lp.{dtype}:{DIGEST}"
     plain = SharedCache(types.SimpleNamespace(mget=None), KeySpace(), "m", "r")
     assert plain.key("float32", b"") == (
         "lmq:default:cache:m:r:lp.float32:3345524abf6bbe1809449224b5972c41790b6cf2"

@@ -299,7 +299,7 @@ class BatchProcessor:
         #: (prompt, dtype) -> its cache key, made once (a digest each) for the lookup and the write
         cache_keys = self._cache_keys(wanted)
         payloads = await self._cached_payloads(cache_keys, unlooked)
-        found = (  # nothing found (the usual batch: its clients looked): no test a prompt
+        to_compute = (  # nothing found (the usual batch: its clients looked): no test a prompt
             (
                 prompt
                 for prompt, dtypes in wanted.items()
@@ -308,7 +308,7 @@ class BatchProcessor:
             if payloads
             else wanted
         )
-        missing = sorted(found, key=PromptKey.order)
+        missing = sorted(to_compute, key=PromptKey.order)
         if missing:  # what the forward will compute: the prefix cache's part is not charged
             outcome.computed_prompts += len(missing)
             tokens = sum(prompt.token_count for prompt in missing)

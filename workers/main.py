@@ -29,6 +29,7 @@ from lmqueue.shared.redis_version import check_redis_version
 from lmqueue.shared.settings import BACKENDS, RedisSettings, WorkerSettings
 
 from .backend_loader import batching_for_device, load_backend, one_torch_team
+from .event_loop import loop_name, run_on
 from .health import HealthServer, HealthState
 from .metrics import WorkerMetrics
 from .startup_line import startup_line
@@ -152,7 +153,8 @@ async def _serve(
     except BaseException:
         await roles.aclose()
         raise
-    logger.info(startup_line(settings.name, settings.model, backend))
+    loop = loop_name(asyncio.get_running_loop())
+    logger.info(startup_line(settings.name, settings.model, backend, loop))
     try:
         with redis_boundary(f"worker {settings.name}", settings.redis.url):
             worker = Worker(
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None, verbose: bool = False) -> int:
         configure_logging(settings.log_level.upper())
         if settings.malloc_mmap_threshold:  # before the model's weights are allocated
             _return_freed_memory_to_the_os(settings.malloc_mmap_threshold)
-        asyncio.run(run_worker(settings))
+        run_on(settings.event_loop, run_worker(settings))
     except (Exception, KeyboardInterrupt) as exc:
         return report_failure("lmq worker", exc, verbose or args.verbose)
     return 0

@@ -81,12 +81,13 @@ def describe_backend(backend: Any) -> dict[str, str]:
     return found
 
 
-def startup_line(worker: str, model: str, backend: Any) -> str:
-    """One line: who serves what, on which engine, device and dtype."""
+def startup_line(worker: str, model: str, backend: Any, event_loop: str = "") -> str:
+    """One line: who serves what, on which engine, device and dtype (and event loop)."""
     found = describe_backend(backend)
     device = found["device"] + (f" ({found['gpu']})" if found["gpu"] else "")
     torch = f", {found['torch']}" if found["torch"] else ""
     return (
         f"worker {worker} loaded {model}: engine {found['engine']}{torch}, device {device}, "
         f"dtype {found['dtype']}, revision {backend.revision}"
+        + (f", event loop {event_loop}" if event_loop else "")
     )

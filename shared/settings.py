@@ -304,7 +304,7 @@ class WorkerSettings:
     #: (`shared.stage_trace`; "": none).
     stage_trace_dir: str = ""
     #: The worker's event loop (`workers.event_loop`): "auto" runs uvloop's where it is
-    #: installed (the loop's CPU a reply is ~5% lower), "uvloop" requires it, "asyncio" is
+    #: installed (the loop's CPU a reply 5-7% lower), "uvloop" requires it, "asyncio" is
     #: the standard library's.
     event_loop: str = "auto"
 

@@ -3,8 +3,9 @@
 A worker's loop does per-request Python (decoding, keys, the fair share) and, per batch, a
 dozen turns of the loop itself (a read, the hand-off to the writer thread, the backend's
 batching turn). uvloop runs the turns and their callbacks in C: the loop's CPU a float16 reply
-of the transport benchmark's cluster run fell from 46-48 to 44-45 us (BENCHMARKS.md,
-transport), and the loop's CPU is what caps one worker's replies per second.
+in the transport benchmark's scale runs was 5-7% lower on it (medians of four alternated
+pairs, 43 against 45.5 us on the cluster; BENCHMARKS.md, transport), and the loop's CPU is what
+caps one worker's replies per second.
 
 It is a choice of the worker process only (``LMQ_EVENT_LOOP``): a client runs on whatever loop
 its program runs, uvloop's included (tests/test_end_to_end.py). Nothing in the worker depends

@@ -359,7 +359,7 @@ async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
     neither the watchdog nor redis-py's handling of a cancellation (RELIABILITY.md) can cancel
     the caller or swallow the caller's own cancellation; a cancelled caller cancels the
     command and leaves at once. One timer and one done callback, not ``asyncio.wait``'s set
-    and wrappers: 3-4 us less a command (a batch of a worker awaits two or three).
+    and wrappers: about 3 us less a command (a batch of a worker awaits two or three).
 
     Raises:
         redis.exceptions.TimeoutError: if `awaitable` took longer than `timeout_s`.
@@ -372,16 +372,24 @@ async def bounded(awaitable: Awaitable[T], timeout_s: float, what: str) -> T:
     timer = loop.call_later(timeout_s, wake)
     try:
         await waiter
-    finally:
-        timer.cancel()
-        if not task.done():  # timed out, or the caller was cancelled
-            task.remove_done_callback(wake)
-            task.add_done_callback(_retrieve)
-            task.cancel()
+    except BaseException:  # the caller was cancelled: so is the command, unless it ended
+        _abandon(task, wake, timer)
+        raise
+    timer.cancel()
     if not task.done():
+        _abandon(task, wake, timer)
         await asyncio.wait({task})
         raise RedisTimeoutError(f"{what} got no answer in {timeout_s:g} s")
     return task.result()
+
+
+def _abandon(task: asyncio.Task[Any], wake: Any, timer: asyncio.TimerHandle) -> None:
+    """Cancel `bounded`'s command (if it still runs), its timer, and see its outcome when it
+    ends, whenever that is: an error it ended with is not reported as never retrieved."""
+    timer.cancel()
+    task.remove_done_callback(wake)
+    task.add_done_callback(_retrieve)
+    task.cancel()
 
 
 def _wake(waiter: asyncio.Future[None], _task: object = None) -> None:

@@ -11,6 +11,7 @@ read that outlives its bound, then the same client serving the next command.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -122,3 +123,27 @@ async def test_a_real_blocking_read_past_its_bound_times_out_and_the_client_goes
     finally:
         await redis.delete("lmq:test:bounded:list")
         await redis.aclose()
+
+
+async def test_a_caller_cancelled_as_its_command_failed_leaves_no_unretrieved_error() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    ended = asyncio.Event()
+
+    async def failing() -> None:
+        ended.set()
+        raise ConnectionError("the server went away")
+
+    try:
+        caller = asyncio.ensure_future(bounded(failing(), 30.0, "read"))
+        await ended.wait()  # the command failed; the caller has not resumed yet
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        del caller
+        await asyncio.sleep(0)  # the abandoned command's callbacks run
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert not [c for c in reported if "never retrieved" in str(c.get("message"))], reported

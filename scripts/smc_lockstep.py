@@ -30,6 +30,7 @@ from lmqueue.bench.lib.stack import (
     worker_pool,
 )
 from lmqueue.bench.lib.workload import Workload, bench_prompt, one_torch_thread
+from lmqueue.devstack import CACHE_POLICY
 from lmqueue.scheduler import smc_sampler
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
@@ -140,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         queue = stack.enter_context(redis_server())
-        cache = stack.enter_context(redis_server("256mb", "allkeys-lru"))
+        cache = stack.enter_context(redis_server("256mb", CACHE_POLICY))
         workers = stack.enter_context(
             worker_pool(
                 1,

@@ -28,6 +28,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
+from lmqueue.devstack import CACHE_POLICY
 from lmqueue.shared.keys import KeySpace
 from lmqueue.shared.lm.interface import BackendCounters
 from lmqueue.status_metrics import StatusCollector
@@ -312,7 +313,7 @@ def test_the_redis_roles_get_their_configurations(overlay: str) -> None:
         assert config["data"]["redis.conf"] == (OPS / "redis" / f"{role}.conf").read_text()
     assert "maxmemory-policy noeviction" in (OPS / "redis" / "queue.conf").read_text()
     assert "appendonly yes" in (OPS / "redis" / "queue.conf").read_text()
-    assert "maxmemory-policy allkeys-lru" in (OPS / "redis" / "cache.conf").read_text()
+    assert f"maxmemory-policy {CACHE_POLICY}" in (OPS / "redis" / "cache.conf").read_text()
     queue = by_kind(objects, "StatefulSet", "lmq-redis-queue")
     assert queue["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     for kind, name in (("StatefulSet", "lmq-redis-queue"), ("Deployment", "lmq-redis-cache")):

@@ -2,7 +2,7 @@
 
 One hf worker serves SmolLM2-135M with small, explicit bounds (``max_kv_tokens``, result
 ``cache_size``) behind two Redis instances: the queue role (``noeviction``) and the cache role
-(``maxmemory`` 64mb, ``allkeys-lru``). The SMC workload runs again and again for a bounded time,
+(``maxmemory`` 64mb, ``volatile-ttl``). The SMC workload runs again and again for a bounded time,
 each run from a prompt variant that shares no prefix with the others and with its own seed, so
 the worker's KV and result caches and the shared cache all fill past their bounds and must
 evict. A thread samples the worker's RSS (psutil) and each instance's ``used_memory``; the
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmqueue.devstack import WorkerProcess
+from lmqueue.devstack import CACHE_POLICY, WorkerProcess
 from lmqueue.shared.lm.vocab import decode_vocab
 from lmqueue.shared.settings import ClientSettings, RedisSettings
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     opts = {"max_kv_tokens": args.max_kv_tokens, "cache_size": args.cache_size}
     with contextlib.ExitStack() as stack:
         queue = stack.enter_context(redis_server())
-        cache = stack.enter_context(redis_server(args.cache_maxmemory, "allkeys-lru"))
+        cache = stack.enter_context(redis_server(args.cache_maxmemory, CACHE_POLICY))
         spec = dict(model=args.model, backend="hf", redis_url=queue.url, cache_url=cache.url)
         (worker,) = stack.enter_context(worker_pool(1, tag="memory", backend_opts=opts, **spec))
         sampler = MemorySampler(

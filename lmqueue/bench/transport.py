@@ -44,6 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lmqueue.devstack import CACHE_POLICY
 from lmqueue.shared.settings import DEFAULT_BATCH_SIZE, ClientSettings, RedisSettings
 
 from .lib.load import (
@@ -170,7 +171,7 @@ def _without_resp_pipe() -> contextlib.AbstractContextManager[Any]:
 async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
     with contextlib.ExitStack() as stack:
         queue_a = stack.enter_context(redis_server())
-        cache_a = stack.enter_context(redis_server(args.cache_maxmemory, "allkeys-lru"))
+        cache_a = stack.enter_context(redis_server(args.cache_maxmemory, CACHE_POLICY))
         queue_b = stack.enter_context(redis_server())
         probe_redis = stack.enter_context(redis_server())
         common = dict(

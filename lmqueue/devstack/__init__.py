@@ -1,6 +1,7 @@
 """Local process helpers: what the demo, the benchmarks and the tests start on one machine.
 
-redis      LocalRedis: a private redis-server on a free loopback port; free_port
+redis      LocalRedis: a private redis-server on a free loopback port; free_port;
+           CACHE_POLICY, the cache role's eviction policy
 cluster    LocalCluster: a private Redis Cluster, with the faults the cluster tests inject
 process    ChildProcess: a command as a child process, its output in a log file
 workers    WorkerProcess: ``python -m lmqueue.workers`` as a child process; wait_live
@@ -11,12 +12,13 @@ stop       stop_process (SIGTERM, a grace period, SIGKILL) and kill_process (a c
 
 from .cluster import ClusterNode, LocalCluster
 from .process import ChildProcess, child_environment
-from .redis import LocalRedis, free_port
+from .redis import CACHE_POLICY, LocalRedis, free_port
 from .scheduler import SchedulerProcess
 from .stop import kill_process, stop_process
 from .workers import WorkerProcess, wait_live
 
 __all__ = [
+    "CACHE_POLICY",
     "ChildProcess",
     "ClusterNode",
     "LocalCluster",

@@ -2,7 +2,8 @@
 
 * the queue Redis with AOF (``appendfsync everysec``, as ``ops/redis/queue.conf``) and an ACL
   file, so a restart keeps streams, registry and tenants' users; a separate cache Redis
-  (``allkeys-lru``, bounded), where workers write results and claim-checks point;
+  (``volatile-ttl`` as ``ops/redis/cache.conf``, bounded), where workers write results and
+  claim-checks point;
   on ``--cluster``, the queue is a 3-master Redis Cluster (a replica each) instead, and the
   scheduler's control plane a single instance beside it;
 * three tenants made as ``lmq tenant add`` makes them (ACL users): ``alice`` and ``bob`` run
@@ -27,6 +28,7 @@ from typing import Any
 import redis
 
 from lmqueue.devstack import (
+    CACHE_POLICY,
     ChildProcess,
     LocalCluster,
     LocalRedis,
@@ -94,7 +96,7 @@ class Rig:
         self.queue: LocalRedis | None = None
         self.cluster: LocalCluster | None = None
         self.control: LocalRedis | None = None
-        self.cache = LocalRedis(maxmemory=config.cache_maxmemory, policy="allkeys-lru")
+        self.cache = LocalRedis(maxmemory=config.cache_maxmemory, policy=CACHE_POLICY)
         self.urls: dict[str, str] = {}
         self.workers: list[WorkerProcess] = []
         self.clients: list[ClientProcess] = []

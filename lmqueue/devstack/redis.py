@@ -18,7 +18,8 @@ __all__ = ["CACHE_POLICY", "LocalRedis", "free_port"]
 #: expiry goes first, which, every entry written with the workers' one TTL, is the oldest write.
 #: ``allkeys-lru`` ranks keys by a clock of one-second ticks: a cache holding only seconds of
 #: results (a GPU fleet's gigabytes a second) evicted among them at random, claim-checks
-#: fetched milliseconds after their write included (1-1.6% of them in ``lmq bench transport``).
+#: fetched milliseconds after their write included (up to 1.6% of them in
+#: ``lmq bench transport``).
 CACHE_POLICY = "volatile-ttl"
 
 

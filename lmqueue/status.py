@@ -20,7 +20,12 @@ from typing import Any
 
 from lmqueue.shared.cluster_client import cluster_rebuilds
 from lmqueue.shared.redis_errors import redis_boundary
-from lmqueue.shared.redis_roles import RedisRoles, connect_queue, connect_redis_roles
+from lmqueue.shared.redis_roles import (
+    CACHE_POLICY,
+    RedisRoles,
+    connect_queue,
+    connect_redis_roles,
+)
 from lmqueue.shared.registry import ModelInfo
 from lmqueue.shared.settings import (
     RedisSettings,
@@ -100,7 +105,21 @@ def render_text(status: dict[str, Any]) -> str:
             f"{role} redis: {_size(m['used_memory_bytes'])} of {bound} ({m['maxmemory_policy']}), "
             f"{m['evicted_keys']} evicted, hit rate {rate}"
         )
+        if role == "cache" and m["maxmemory_policy"] in _RECENCY_POLICIES:
+            lines.append(f"  {m['maxmemory_policy']} cannot tell entries of the same second apart: "
+                         f"a cache holding seconds of results evicts among them at random, "
+                         f"claim-checks included; ops/redis/cache.conf ships {CACHE_POLICY} "
+                         f"(the oldest first)")  # fmt: skip
     return "\n".join(lines)
+
+
+#: Eviction policies that cannot order entries written within one second (Redis's LRU clock
+#: ticks once a second; a new entry's LFU counter is everyone's; random is random: README,
+#: "Redis roles"): a separate cache under one of them loses fresh claim-checks when full.
+_RECENCY_POLICIES = frozenset(
+    ("allkeys-lru", "volatile-lru", "allkeys-lfu", "volatile-lfu", "allkeys-random",
+     "volatile-random")
+)  # fmt: skip
 
 
 def _rebuild_lines(workers: dict[str, Any], now_ms: int | None) -> list[str]:

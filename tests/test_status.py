@@ -20,6 +20,7 @@ from lmqueue import status as status_command
 from lmqueue.devstack import LocalRedis
 from lmqueue.producer.admission import Admission
 from lmqueue.shared.keys import KeySpace
+from lmqueue.shared.redis_roles import CACHE_POLICY
 from lmqueue.shared.settings import RedisSettings, WorkerSettings
 from lmqueue.shared.wire import Request, encode_request, ids_to_bytes
 from lmqueue.shared.worker_stats import WorkerStats, read_worker_stats, write_worker_stats
@@ -151,6 +152,28 @@ async def test_the_command_prints_json_and_text(redis_url, fleet, cache_server, 
     text = capsys.readouterr().out
     assert f"model {MODEL}: backlog 7" in text
     assert "w1" in text and "cache redis:" in text and "allkeys-lru" in text
+    # an LRU cache: the operator is told why the shipped conf evicts the oldest entries instead
+    assert f"ops/redis/cache.conf ships {CACHE_POLICY}" in text
+
+
+def test_the_text_names_the_shipped_policy_only_for_a_cache_that_evicts_by_recency() -> None:
+    def cache_lines(policy: str, same_instance: bool = False) -> list[str]:
+        memory = {"used_memory_bytes": 1 << 20, "maxmemory_bytes": 64 << 20, "evicted_keys": 3,
+                  "hit_rate": 0.5, "maxmemory_policy": policy}  # fmt: skip
+        status = {"models": {}, "queue": {**memory, "maxmemory_policy": "noeviction"},
+                  "cache": {**memory, "same_instance_as_queue": same_instance}}  # fmt: skip
+        lines = status_command.render_text(status).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("cache redis:"))
+        return lines[at:]
+
+    for policy in ("allkeys-lru", "allkeys-lfu", "volatile-random"):
+        (_, hint) = cache_lines(policy)
+        assert policy in hint and f"ships {CACHE_POLICY}" in hint
+    assert len(cache_lines(CACHE_POLICY)) == 1
+    assert len(cache_lines("noeviction")) == 1
+    assert cache_lines("allkeys-lru", same_instance=True) == [
+        "cache redis: the queue instance (no separate cache)"
+    ]
 
 
 def test_an_unreachable_redis_is_one_line_and_exit_code_1(capsys) -> None:

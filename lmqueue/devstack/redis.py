@@ -10,17 +10,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lmqueue.shared.redis_roles import CACHE_POLICY  # the benchmarks' caches run it
+
 from .stop import kill_process, stop_process
 
 __all__ = ["CACHE_POLICY", "LocalRedis", "free_port"]
-
-#: The cache role's eviction policy, as `ops/redis/cache.conf` ships it: the entry nearest its
-#: expiry goes first, which, every entry written with the workers' one TTL, is the oldest write.
-#: ``allkeys-lru`` ranks keys by a clock of one-second ticks: a cache holding only seconds of
-#: results (a GPU fleet's gigabytes a second) evicted among them at random, claim-checks
-#: fetched milliseconds after their write included (up to 1.6% of them in
-#: ``lmq bench transport``).
-CACHE_POLICY = "volatile-ttl"
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ from lmqueue.shared.heap_reuse import keep_freed_vectors_mapped
 from lmqueue.shared.lm.interface import AsyncLM
 from lmqueue.shared.lm.output_cache import OutputCache
 from lmqueue.shared.lm.tokens import Token
-from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.lm.validation import prompt_bytes
 from lmqueue.shared.lm.vocab import str_vocab_of
 from lmqueue.shared.prompt_key import PromptKey
 from lmqueue.shared.redis_errors import REDIS_AUTH, REDIS_DOWN, redis_boundary
@@ -266,8 +266,8 @@ class QueueLM(SyncFacade, AsyncLM):
     ) -> tuple[Any, PromptKey]:
         """Validate the prompt and adapter; the locally cached result (tensor, array or None)
         and the prompt's key (built here, once per call)."""
-        ids = check_prompt(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
-        key = PromptKey.of_ids(ids, await self.adapters.resolve(lora_name))
+        tokens = prompt_bytes(token_ids, self.info.vocab_size, self.info.max_prompt_tokens)
+        key = PromptKey(await self.adapters.resolve(lora_name), tokens)
         if key in self.local_cache:  # a miss through get() raises and catches KeyError
             return self.local_cache[key], key
         return None, key

@@ -17,7 +17,7 @@ import numpy as np
 
 from lmqueue.shared.lm.trie import TokenCharacterTrie
 from lmqueue.shared.lm.trie.inputs import as_node_ids
-from lmqueue.shared.lm.validation import check_prompt
+from lmqueue.shared.lm.validation import prompt_bytes
 from lmqueue.shared.lm.vocab import vocab_digest
 from lmqueue.shared.wire import ids_to_bytes
 
@@ -81,13 +81,13 @@ class QueueTrie:
         self, token_ids: Sequence[int], op: str, nodes: Any, dtype: str | None
     ) -> np.ndarray:
         info = self.lm.info
-        ids = check_prompt(token_ids, info.vocab_size, info.max_prompt_tokens)
+        tokens = prompt_bytes(token_ids, info.vocab_size, info.max_prompt_tokens)
         node_bytes = None
         if nodes is not None:
             node_bytes = ids_to_bytes(as_node_ids(nodes, self.trie.num_nodes))
         dtype = dtype or ("float32" if nodes is None else "float64")
         vector = await self.lm.request(
-            ids_to_bytes(ids),
+            tokens,
             "mass",
             dtype,
             mass_op=op,

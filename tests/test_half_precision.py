@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -120,6 +121,31 @@ def test_a_mock_converts_each_shared_vector_once_to_the_bytes_any_backend_sends(
     own = shared.clone()  # equal values, not the shared vector: converted on the writer thread
     assert isinstance(backend.wire_payload(own, "float16"), DeferredPayload)
     assert isinstance(MockAsyncLM(smol_tokenizer).wire_payload(shared, "float16"), DeferredPayload)
+
+
+def test_a_mock_picks_each_prompt_s_shared_vector_alike_in_every_process(smol_tokenizer):
+    """Workers and a test's own mock must agree on a prompt's vector: the pick is a tuple's
+    hash, which no ``PYTHONHASHSEED`` changes."""
+    import subprocess
+    import sys
+
+    from lmqueue.workers.backends.mock import MockAsyncLM
+
+    prompts = [[4, 4, n] for n in range(40)] + [[1], [49151, 0, 7]]
+    backend = MockAsyncLM(smol_tokenizer, distinct_vectors=8)
+    here = [backend._vector_index[id(backend.logprobs_of(p))] for p in prompts]
+    assert len(set(here)) >= 4  # prompts spread over the vectors
+    code = (
+        "from lmqueue.workers.backends.mock import MockAsyncLM\n"
+        "from lmqueue.workers.models import load_tokenizer\n"
+        "b = MockAsyncLM(load_tokenizer('smollm2-135m'), distinct_vectors=8)\n"
+        f"print([b._vector_index[id(b.logprobs_of(p))] for p in {prompts!r}])"
+    )
+    for seed in ("0", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120, check=True)  # fmt: skip
+        assert done.stdout.strip() == str(here)
 
 
 @pytest.mark.parametrize("distinct_vectors", [0, 2])

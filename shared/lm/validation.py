@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,10 +11,19 @@ import numpy as np
 
 from ..errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
 
-__all__ = ["check_prompt", "check_token_bytes", "check_loaded_adapter", "token_bytes_pass"]
+__all__ = [
+    "check_prompt",
+    "check_token_bytes",
+    "check_loaded_adapter",
+    "prompt_bytes",
+    "token_bytes_pass",
+]
 
 #: Prompts up to this long are checked with Python's min and max (most calls of a program).
 _SMALL = 64
+#: Whether ``array('i')`` packs ids as the wire does (little-endian int32), so a list of ints
+#: is packed without numpy.
+_ARRAY_IS_WIRE = sys.byteorder == "little" and array.array("i").itemsize == 4
 
 
 def check_loaded_adapter(lora_name: str | None, loaded: frozenset[str]) -> None:
@@ -52,6 +63,27 @@ def check_prompt(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> np.nda
     small_list = isinstance(token_ids, list) and ids.size <= _SMALL  # reduced as it is
     _check_ids(token_ids if small_list else ids, vocab_size, max_tokens)
     return ids.astype(np.int32, copy=False)
+
+
+def prompt_bytes(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> bytes:
+    """`check_prompt`, then the prompt as the wire carries it (little-endian int32 bytes).
+
+    A short list of plain ints, what a program passes on nearly every call, is checked and
+    packed without numpy (1.8 against 3.2 us a call here, timed with ``timeit``: the client's
+    loop pays it for every call); anything else, and every prompt that fails, goes through
+    `check_prompt`, which raises the typed error.
+    """
+    if (
+        _ARRAY_IS_WIRE
+        and type(token_ids) is list
+        and 0 < len(token_ids) <= _SMALL
+        and (not max_tokens or len(token_ids) <= max_tokens)
+        and all(type(token) is int for token in token_ids)
+        and min(token_ids) >= 0
+        and max(token_ids) < vocab_size
+    ):
+        return array.array("i", token_ids).tobytes()
+    return check_prompt(token_ids, vocab_size, max_tokens).astype("<i4", copy=False).tobytes()
 
 
 def check_token_bytes(token_bytes: bytes, vocab_size: int, max_tokens: int = 0) -> None:

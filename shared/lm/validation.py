@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EmptyPrompt, PromptTooLong, TokenOutOfVocabulary, UnknownAdapter
+from ..wire import ids_to_bytes
 
 __all__ = [
     "check_prompt",
@@ -83,7 +84,7 @@ def prompt_bytes(token_ids: Any, vocab_size: int, max_tokens: int = 0) -> bytes:
         and max(token_ids) < vocab_size
     ):
         return array.array("i", token_ids).tobytes()
-    return check_prompt(token_ids, vocab_size, max_tokens).astype("<i4", copy=False).tobytes()
+    return ids_to_bytes(check_prompt(token_ids, vocab_size, max_tokens))
 
 
 def check_token_bytes(token_bytes: bytes, vocab_size: int, max_tokens: int = 0) -> None:

@@ -155,17 +155,15 @@ class MockAsyncLM(AsyncLM):
         digesting them (``timeit``), a cost the transport benchmarks charged to the queue.
         """
         vectors = self._vectors
-        if vectors:
-            base = vectors[hash(tuple(ids)) % len(vectors)]
-            if lora_name is None:
-                return base
-            token_bytes = ids_to_bytes(ids)
-        else:
-            token_bytes = ids_to_bytes(ids)  # the bytes its requests travel as
+        base = vectors[hash(tuple(ids)) % len(vectors)] if vectors else None
+        if base is not None and lora_name is None:
+            return base
+        token_bytes = ids_to_bytes(ids)  # the bytes its requests travel as
+        if base is None:
             digest = hashlib.blake2b(token_bytes, digest_size=8).digest()
             base = self._vector_of_seed(int.from_bytes(digest, "little"))
-            if lora_name is None:
-                return base
+        if lora_name is None:
+            return base
         noise_seed = hashlib.blake2b(self._adapter_seeds[lora_name] + token_bytes, digest_size=8)
         rng = np.random.default_rng(int.from_bytes(noise_seed.digest(), "little"))
         noise = torch.from_numpy(rng.standard_normal(self.vector_size, dtype=np.float32))

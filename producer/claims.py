@@ -24,6 +24,7 @@ from lmqueue.shared.wire import Reply, holds_vector
 
 from .node_pipes import NodePipes
 from .resp_pipe import RespPipe
+from .tensors import WideHalf
 
 __all__ = ["ClaimResolver"]
 
@@ -88,7 +89,16 @@ class ClaimResolver:
         the claims that missed (any thread may call it; `record` the counts on the loop)."""
         found, missed = [], []
         for reply, value in zip(claims, values, strict=True):
-            if holds_vector(value, reply.dtype, self.vector_size):
+            if type(value) is WideHalf:  # a float16 vector widened as it arrived
+                if reply.dtype == "float16" and holds_vector(
+                    value.payload, "float32", self.vector_size
+                ):
+                    found.append(
+                        Reply(reply.request_id, value.payload, "float32", cached=reply.cached)
+                    )
+                else:
+                    missed.append(reply)
+            elif holds_vector(value, reply.dtype, self.vector_size):
                 found.append(Reply(reply.request_id, value, reply.dtype, cached=reply.cached))
             else:
                 missed.append(reply)

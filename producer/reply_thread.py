@@ -36,7 +36,7 @@ from lmqueue.shared.serial_torch import serial_torch_here
 from .claims import ClaimResolver
 from .reply_batch import ReplyBatch, decode_entries, run_id_of
 from .slot_pipe import redirect_of
-from .tensors import widened
+from .tensors import HalfWidener, widened
 
 __all__ = ["ReplyRedirected", "ReplyThread"]
 
@@ -86,6 +86,10 @@ class ReplyThread:
         #: MOVED or ASK answers met (the reply stream's or claims').
         self.redirects = 0
         self._thread = JobThread("lmq-replies")
+        #: Widens claimed float16 vectors as they arrive (None: kept float16, or no size).
+        self._widener = (
+            HalfWidener(claims.vector_size) if claims.vector_size and not keep_float16 else None
+        )
 
     @property
     def needs_aim(self) -> bool:
@@ -162,7 +166,8 @@ class ReplyThread:
         if results[-1]:
             decode_entries(results[-1][0][1], batch)
         if batch.claims:
-            claims, values = batch.claims, self._claimed(batch.claims, table)
+            claims = batch.claims
+            values = self._claimed(claims, table, self._intake_for(claims))
             read = [i for i, value in enumerate(values) if value is not _UNREAD]
             found, batch.missed = self.claims.match(
                 [claims[i] for i in read], [values[i] for i in read]
@@ -203,15 +208,26 @@ class ReplyThread:
             raise
         return results
 
-    def _claimed(self, claims: list[Any], table: list[Target | None] | None) -> list[Any]:
-        """The claimed values (None: missing), `_UNREAD` where a cluster's master could not
-        answer; all missing if one instance's cache cannot be read."""
+    def _intake_for(self, claims: list[Any]) -> HalfWidener | None:
+        """The widener, where every claim is of a float16 vector: a value of a float16
+        vector's length then is one (`ClaimResolver.match` checks the claim's dtype again)."""
+        widener = self._widener
+        if widener is None or any(reply.dtype != "float16" for reply in claims):
+            return None
+        return widener
+
+    def _claimed(
+        self, claims: list[Any], table: list[Target | None] | None, intake: HalfWidener | None
+    ) -> list[Any]:
+        """The claimed values (None: missing; float16 vectors widened where `intake`),
+        `_UNREAD` where a cluster's master could not answer; all missing if one instance's
+        cache cannot be read."""
         if table is not None:
-            return self._cluster_gets(claims, table)
+            return self._cluster_gets(claims, table, intake)
         if self.cache is None:
             return [None] * len(claims)
         try:
-            (values,) = self.cache.execute([("MGET", *(reply.claim for reply in claims))])
+            (values,) = self.cache.execute([("MGET", *(reply.claim for reply in claims))], intake)
         except Exception as exc:  # the inline path does not need the cache
             logger.warning("reading %d claimed results failed: %s", len(claims), exc)
             return [None] * len(claims)
@@ -220,7 +236,9 @@ class ReplyThread:
             return [None] * len(claims)
         return list(values)
 
-    def _cluster_gets(self, claims: list[Any], table: list[Target | None]) -> list[Any]:
+    def _cluster_gets(
+        self, claims: list[Any], table: list[Target | None], intake: HalfWidener | None
+    ) -> list[Any]:
         """GETs of the claims' keys, one pipeline a master, every pipeline sent before any
         answer is read; a key its master redirects or refuses, and every key of a master that
         fails, stays `_UNREAD`, and the snapshot stale."""
@@ -244,7 +262,7 @@ class ReplyThread:
             sent.append((target, sock, indexes))
         for target, sock, indexes in sent:
             try:
-                answers = sock.receive(len(indexes))
+                answers = sock.receive(len(indexes), intake)
             except REDIS_DOWN as exc:
                 self._lost(target, exc)
                 continue

@@ -8,6 +8,7 @@ for numpy arrays (`QueueLM.next_token_logprobs_numpy`) never loads it (~200 MiB 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "to_float32_tensor", "to_float32_array", "to_result_tensor", "to_result_array", "as_tensor",
-    "as_array", "widened",
+    "as_array", "widened", "HalfWidener", "WideHalf",
 ]  # fmt: skip
 
 
@@ -102,6 +103,45 @@ def widened(reply: Reply, keep_float16: bool = False) -> Reply:
         source = torch.from_numpy(half if half.flags.writeable else half.copy())
         cast_in_chunks(torch.from_numpy(out), source)
     return Reply(reply.request_id, out.data.cast("B"), "float32", cached=reply.cached)
+
+
+@dataclass(frozen=True, slots=True)
+class WideHalf:
+    """A float16 vector widened to float32 as it was received (`HalfWidener`): its bytes."""
+
+    payload: memoryview
+
+
+class HalfWidener:
+    """Widens float16 vectors of `vector_size` values as a `RespSocket` receives them
+    (a `shared.resp_socket.BulkIntake`).
+
+    Each vector lands in one scratch buffer that is reused, so it is still in the CPU's cache
+    when it is converted, at once, into a float32 array of its own (`WideHalf`). Widening a
+    whole read's vectors after it, as `widened` does, reads each from memory written
+    megabytes before, and each received into memory of its own first: in a loop of 32-vector
+    MGETs of 49,152-entry vectors against a local Redis, 45 against 36 CPU us a vector
+    (docs/benchmarks-history.md, "Issue 33, 2026-12-07 (seventh session)"). Bit-identical to
+    `widened`: the same conversion.
+
+    One thread at a time, like the `RespSocket` it serves.
+    """
+
+    def __init__(self, vector_size: int) -> None:
+        self._half = np.empty(vector_size, dtype=_HALF)
+        self.length = self._half.nbytes
+        self.scratch = self._half.data.cast("B")
+        self._source: Any = None  # the scratch as a torch tensor, once torch is there
+
+    def __call__(self) -> WideHalf:
+        out = np.empty(self._half.shape[0], dtype=np.float32)
+        if self._source is None and (torch := imported_torch()) is not None:
+            self._source = torch.from_numpy(self._half)
+        if self._source is None:  # a numpy-only program: numpy's conversion, as `widened`'s
+            np.copyto(out, self._half)
+        else:
+            cast_in_chunks(sys.modules["torch"].from_numpy(out), self._source)
+        return WideHalf(out.data.cast("B"))
 
 
 def as_tensor(value: Any) -> torch.Tensor:

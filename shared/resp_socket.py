@@ -24,7 +24,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
@@ -37,7 +37,9 @@ from .connections import tune_socket
 from .redis_errors import reply_error
 from .resp_encoding import BIG_BULK_BYTES, pack_commands
 
-__all__ = ["RespSocket", "BIG_BULK_BYTES", "target_of", "target_of_url", "pack_commands"]
+__all__ = [
+    "BulkIntake", "RespSocket", "BIG_BULK_BYTES", "target_of", "target_of_url", "pack_commands",
+]  # fmt: skip
 
 _BUFFER_BYTES = 256 * 1024
 _READ_WINDOW_BYTES = 16 * 1024
@@ -68,6 +70,24 @@ def target_of(client: Any) -> Target | None:
             if kwargs.get(k) is not None}  # fmt: skip
 
 
+class BulkIntake(Protocol):
+    """Takes big bulk strings of one exact length as they arrive (`RespSocket.receive`).
+
+    Each such bulk is received into `scratch` (reused: it stays in the CPU's cache) and the
+    intake is called at once, while those bytes are still there, for the value that stands
+    in the bulk's place: a client widens a float16 vector into its float32 array straight
+    from the bytes just received, instead of from a buffer written long before.
+    """
+
+    #: The length in bytes of the bulks it takes (others arrive as usual).
+    length: int
+    #: Where such a bulk is received (`length` bytes).
+    scratch: memoryview
+
+    def __call__(self) -> Any:
+        """The value of the bulk now in `scratch`."""
+
+
 class RespSocket:
     """One blocking connection to a Redis `target` (see `target_of`), connected on first use."""
 
@@ -80,6 +100,7 @@ class RespSocket:
         self._view = memoryview(self._buffer)
         self._start = 0  # parsed up to here
         self._end = 0  # received up to here
+        self._intake: BulkIntake | None = None  # of the receive under way
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RespSocket:
@@ -94,18 +115,21 @@ class RespSocket:
         """Whether a connection is open now."""
         return self._sock is not None
 
-    def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    def execute(
+        self, commands: Sequence[Sequence[Any]], intake: BulkIntake | None = None
+    ) -> list[Any]:
         """Send `commands` as one pipeline; their replies, error replies as `ResponseError`s.
 
         Bulk strings come back as bytes, or, from `BIG_BULK_BYTES` on, as writable byte
-        memoryviews of arrays nobody else holds.
+        memoryviews of arrays nobody else holds; big ones of ``intake.length`` bytes as what
+        `intake` makes of them.
 
         Raises:
             redis.exceptions.ConnectionError: the connection failed or was lost.
             redis.exceptions.TimeoutError: the server made no progress for ``timeout_s``.
         """
         self.send(commands)
-        return self.receive(len(commands))
+        return self.receive(len(commands), intake)
 
     def send(self, commands: Sequence[Sequence[Any]]) -> None:
         """Send `commands` as one pipeline (read their replies with `receive`)."""
@@ -115,9 +139,14 @@ class RespSocket:
         """Send a pipeline packed already (`pack_commands`)."""
         self._guard(self._send, pieces)
 
-    def receive(self, count: int) -> list[Any]:
-        """The next `count` replies."""
-        replies: list[Any] = self._guard(self._receive, count)
+    def receive(self, count: int, intake: BulkIntake | None = None) -> list[Any]:
+        """The next `count` replies (big bulks of ``intake.length`` bytes as `intake` makes
+        them)."""
+        self._intake = intake
+        try:
+            replies: list[Any] = self._guard(self._receive, count)
+        finally:
+            self._intake = None
         return replies
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -245,7 +274,9 @@ class RespSocket:
             length = int(buffer[start + 1 : line_end])
             if length < 0:
                 return None
-            if length >= BIG_BULK_BYTES:
+            if length >= BIG_BULK_BYTES or (
+                self._intake is not None and length == self._intake.length
+            ):
                 return self._big_bulk(length)
             while self._end - self._start < length + 2:
                 self._fill()
@@ -263,9 +294,20 @@ class RespSocket:
             return reply_error(buffer[start + 1 : line_end].decode(errors="replace"))
         raise RedisConnectionError(f"unreadable reply from Redis: type byte {kind!r}")
 
-    def _big_bulk(self, length: int) -> memoryview:
-        """Receive a big bulk string into an array of its own, from what is here already."""
+    def _big_bulk(self, length: int) -> Any:
+        """Receive a big bulk string into an array of its own (or into the intake's scratch,
+        for what the intake makes of it)."""
+        intake = self._intake
+        if intake is not None and length == intake.length:
+            self._receive_bulk(intake.scratch, length)
+            return intake()
         target = np.empty(length, dtype=np.uint8).data
+        self._receive_bulk(target, length)
+        return target
+
+    def _receive_bulk(self, target: memoryview, length: int) -> None:
+        """Receive a bulk's `length` bytes and its line end into `target`, from what is here
+        already, the rest straight from the kernel."""
         here = min(self._end - self._start, length)
         target[:here] = self._view[self._start : self._start + here]
         self._start += here
@@ -279,7 +321,6 @@ class RespSocket:
         while self._end - self._start < 2:
             self._fill()
         self._start += 2
-        return target
 
     def _fill(self) -> None:
         """Receive more into the buffer, moving what is unparsed to its front first.

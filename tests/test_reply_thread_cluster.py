@@ -199,3 +199,22 @@ async def test_a_snapshot_is_taken_again_once_redis_py_takes_a_new_map(client):
     assert slots.table() is first and slots.taken == 1
     await client.nodes_manager.initialize()  # what redis-py does after a node was lost
     assert slots.table() is not first and slots.taken == 2
+
+
+async def test_float16_claims_on_every_master_arrive_widened(redis_cluster, client, threads):
+    """Each master's GETs take the widener too: every vector exactly its float16 values."""
+    stream = KEYS.replies("rt-half")
+    keys = _keys_on_every_master(redis_cluster, 9)
+    halves = [np.linspace(-i, i, SIZE, dtype=np.float16) for i in range(9)]
+    for i, (key, half) in enumerate(zip(keys, halves, strict=True)):
+        await client.set(key, half.tobytes())
+        await client.xadd(stream, encode_claim(f"r{i}", key, "float16"))
+    thread = _thread(client, threads)
+    home = redis_cluster.port_of_slot(redis_cluster.slot_of(stream))
+    batch = await thread.read(
+        stream, "0-0", None, False, 100, 100, {"host": "127.0.0.1", "port": home}
+    )
+    assert [r.request_id for r in batch.ready] == [f"r{i}" for i in range(9)]
+    for half, reply in zip(halves, batch.ready, strict=True):
+        assert reply.dtype == "float32"
+        assert bytes(reply.payload) == half.astype(np.float32).tobytes()

@@ -183,3 +183,37 @@ async def test_only_plain_connections_have_a_target(redis_url: str) -> None:
         await tls.aclose()
     assert target_of(object()) is None
     assert target_of_url("unix:///tmp/r.sock?db=2") == {"path": "/tmp/r.sock", "db": 2}
+
+
+class _Keeper:
+    """A `BulkIntake` that keeps a copy of each bulk it takes, tagged."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self._buffer = bytearray(length)
+        self.scratch = memoryview(self._buffer)
+
+    def __call__(self) -> tuple[str, bytes]:
+        return ("taken", bytes(self._buffer))
+
+
+@pytest.mark.parametrize("length", [100, 40_000])
+def test_bulks_of_the_intake_s_length_arrive_as_what_it_makes_of_them(
+    redis_url: str, length: int
+) -> None:
+    """Each bulk of the intake's length, small or big, is the intake's value (one scratch,
+    reused, yet each its own); other lengths, missing keys and a later call are as without."""
+    rng = np.random.default_rng(7)
+    first, second = (rng.integers(0, 256, length, dtype=np.uint8).tobytes() for _ in range(2))
+    longer, short = b"L" * (length + 1) * 2, b"short"
+    admin = redis.Redis.from_url(redis_url)
+    admin.mset({"a": first, "b": longer, "c": second, "d": short})
+    sock = RespSocket.from_url(redis_url)
+    try:
+        (values,) = sock.execute([("MGET", "a", "b", "nothing", "c", "d")], _Keeper(length))
+        (plain,) = sock.execute([("MGET", "a", "b")])
+    finally:
+        sock.close()
+    assert values[0] == ("taken", first) and values[3] == ("taken", second)
+    assert bytes(values[1]) == longer and values[2] is None and values[4] == short
+    assert bytes(plain[0]) == first and not isinstance(plain[0], tuple)

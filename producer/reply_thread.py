@@ -7,8 +7,9 @@ released (`RespSocket`: vectors are received straight into the arrays handed out
 event loop runs the programs that consume them. One read is one job: trim what was read,
 check the server's identity when due, block for new replies; decode them; fetch the vectors
 of claim-checks (one MGET on a single instance; on a cluster one pipeline of GETs a master,
-all sent before any is read); widen float16 vectors. The loop settles what comes back
-(`ReplyReader`), and has asked for the next read by then.
+all sent before any is read), float16 ones widened as each arrives (`HalfWidener`: from one
+reused buffer, still in the CPU's cache); widen any other float16 vectors. The loop settles
+what comes back (`ReplyReader`), and has asked for the next read by then.
 
 On a Redis Cluster the loop says where things are, from its redis-py client's slot map: the
 master of the reply stream (`aim`, when the thread has none: at first and after a lost

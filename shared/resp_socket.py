@@ -71,7 +71,7 @@ def target_of(client: Any) -> Target | None:
 
 
 class BulkIntake(Protocol):
-    """Takes big bulk strings of one exact length as they arrive (`RespSocket.receive`).
+    """Takes the bulk strings of one exact length as they arrive (`RespSocket.receive`).
 
     Each such bulk is received into `scratch` (reused: it stays in the CPU's cache) and the
     intake is called at once, while those bytes are still there, for the value that stands
@@ -121,8 +121,8 @@ class RespSocket:
         """Send `commands` as one pipeline; their replies, error replies as `ResponseError`s.
 
         Bulk strings come back as bytes, or, from `BIG_BULK_BYTES` on, as writable byte
-        memoryviews of arrays nobody else holds; big ones of ``intake.length`` bytes as what
-        `intake` makes of them.
+        memoryviews of arrays nobody else holds; those of ``intake.length`` bytes (any size)
+        as what `intake` makes of them.
 
         Raises:
             redis.exceptions.ConnectionError: the connection failed or was lost.
@@ -140,7 +140,7 @@ class RespSocket:
         self._guard(self._send, pieces)
 
     def receive(self, count: int, intake: BulkIntake | None = None) -> list[Any]:
-        """The next `count` replies (big bulks of ``intake.length`` bytes as `intake` makes
+        """The next `count` replies (bulks of ``intake.length`` bytes as `intake` makes
         them)."""
         self._intake = intake
         try:

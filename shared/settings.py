@@ -365,8 +365,8 @@ class ClientSettings:
     wire_dtype: str = "float32"
     #: With ``wire_dtype="float16"``: hand results out as the float16 vectors they travelled as,
     #: not widened to float32 (the same values; the widening, done as each claimed vector
-    #: arrives, is under a tenth of such a client's CPU a reply: BENCHMARKS.md, transport). For
-    #: programs whose arithmetic on them is float16-safe.
+    #: arrives, is about a tenth of such a client's CPU a reply: BENCHMARKS.md, transport).
+    #: For programs whose arithmetic on them is float16-safe.
     half_results: bool = False
     local_cache_size: int = 256
     use_shared_cache: bool = True

@@ -94,15 +94,21 @@ def widened(reply: Reply, keep_float16: bool = False) -> Reply:
         bits = np.frombuffer(payload, dtype=np.uint16)
         wide = np.left_shift(bits, 16, dtype=np.uint32)
         return Reply(reply.request_id, wide.data.cast("B"), "float32", cached=reply.cached)
-    half = np.frombuffer(payload, dtype=_HALF)
+    out = _float32_of_half(np.frombuffer(payload, dtype=_HALF))
+    return Reply(reply.request_id, out.data.cast("B"), "float32", cached=reply.cached)
+
+
+def _float32_of_half(half: np.ndarray) -> np.ndarray:
+    """A float32 array of its own with float16 `half`'s values: torch's conversion where a
+    program imported torch (torch warns on read-only memory: such a `half` is copied first),
+    numpy's slower one in a numpy-only program."""
     torch = imported_torch()
     if torch is None:
-        out = half.astype(np.float32)
-    else:
-        out = np.empty(half.shape[0], dtype=np.float32)
-        source = torch.from_numpy(half if half.flags.writeable else half.copy())
-        cast_in_chunks(torch.from_numpy(out), source)
-    return Reply(reply.request_id, out.data.cast("B"), "float32", cached=reply.cached)
+        return half.astype(np.float32)
+    out = np.empty(half.shape[0], dtype=np.float32)
+    source = torch.from_numpy(half if half.flags.writeable else half.copy())
+    cast_in_chunks(torch.from_numpy(out), source)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +128,7 @@ class HalfWidener:
     megabytes before, and each received into memory of its own first: in a loop of 32-vector
     MGETs of 49,152-entry vectors against a local Redis, 45 against 36 CPU us a vector
     (docs/benchmarks-history.md, "Issue 33, 2026-12-07 (seventh session)"). Bit-identical to
-    `widened`: the same conversion.
+    `widened`: the same conversion (`_float32_of_half`).
 
     One thread at a time, like the `RespSocket` it serves.
     """
@@ -131,17 +137,9 @@ class HalfWidener:
         self._half = np.empty(vector_size, dtype=_HALF)
         self.length = self._half.nbytes
         self.scratch = self._half.data.cast("B")
-        self._source: Any = None  # the scratch as a torch tensor, once torch is there
 
     def __call__(self) -> WideHalf:
-        out = np.empty(self._half.shape[0], dtype=np.float32)
-        if self._source is None and (torch := imported_torch()) is not None:
-            self._source = torch.from_numpy(self._half)
-        if self._source is None:  # a numpy-only program: numpy's conversion, as `widened`'s
-            np.copyto(out, self._half)
-        else:
-            cast_in_chunks(sys.modules["torch"].from_numpy(out), self._source)
-        return WideHalf(out.data.cast("B"))
+        return WideHalf(_float32_of_half(self._half).data.cast("B"))
 
 
 def as_tensor(value: Any) -> torch.Tensor:

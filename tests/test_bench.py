@@ -45,6 +45,16 @@ def test_transport_benchmark_writes_figures_and_ends_with_its_ratios(
         assert window["replies"] > 0
         assert window["replies_per_s"] > 0
         assert set(window["cpu_us_per_reply"]) == {"client", "worker", "redis"}
+        kernel = window["kernel_us_per_reply"]
+        assert set(kernel) == {"client", "worker", "redis"}
+        assert all(0 <= kernel[p] <= window["cpu_us_per_reply"][p] for p in kernel)
+    over = result["figures"]["float16.defaults.over_probe_us"]
+    defaults, probe = result["figures"]["float16.defaults"], result["figures"]["float16.probe"]
+    for process in ("client", "worker", "redis"):
+        wanted = defaults["kernel_us_per_reply"][process] - probe["kernel_us_per_reply"][process]
+        assert over[process]["kernel"] == pytest.approx(wanted, abs=0.11)
+        wanted = defaults["cpu_us_per_reply"][process] - probe["cpu_us_per_reply"][process]
+        assert over[process]["cpu"] == pytest.approx(wanted, abs=0.11)
     assert result["figures"]["float16.inline.client_stats"]["claims_resolved"] == 0
     assert result["figures"]["batch_size"] == 32  # the workers' own default
     configs = ("float16.defaults", "float16.inline", "float16.no_cache", "float16.half_results")

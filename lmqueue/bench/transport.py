@@ -237,7 +237,28 @@ async def _run(args: argparse.Namespace, report: Report) -> dict[str, float]:
                 report.figure(
                     f"{key}.vs_probe", ratios[key], line=_versus(key, ratios, ours, probe)
                 )
+                if name == "defaults":
+                    _excess_over_probe(report, dtype, name)
     return ratios
+
+
+def _excess_over_probe(report: Report, dtype: str, name: str) -> None:
+    """Each process's CPU a reply over the probe's, and the kernel's part of that (printed,
+    and kept as a figure): what is not in the kernel is the Python each runs per reply, what
+    is in it is mostly the bytes moved (copies through sockets, page faults)."""
+    ours, probe = report.figures[f"{dtype}.{name}"], report.figures[f"{dtype}.probe"]
+    excess: dict[str, dict[str, float]] = {}
+    for process, us in ours["cpu_us_per_reply"].items():
+        kernel = ours.get("kernel_us_per_reply", {}).get(process, math.nan)
+        probe_kernel = probe.get("kernel_us_per_reply", {}).get(process, math.nan)
+        excess[process] = {
+            "cpu": round(us - probe["cpu_us_per_reply"][process], 1),
+            "kernel": round(kernel - probe_kernel, 1),
+        }
+    parts = ", ".join(f"{process} {e['cpu']:+.0f} (kernel {e['kernel']:+.0f})"
+                      for process, e in excess.items())  # fmt: skip
+    line = f"{dtype}.{name} over the probe, CPU us a reply: {parts}"
+    report.figure(f"{dtype}.{name}.over_probe_us", excess, line=line)
 
 
 async def _vector_size(model: str, settings: ClientSettings, workers: Any) -> int:

@@ -59,6 +59,8 @@ class Window:
     elapsed_s: float
     cpu_s: dict[str, float] = field(default_factory=dict)
     times: list[float] = field(default_factory=list, repr=False)
+    #: The system (kernel) part of `cpu_s`, where the meter read it.
+    system_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def per_s(self) -> float:
@@ -79,13 +81,20 @@ class Window:
 
     def cpu_us_per_reply(self) -> dict[str, float]:
         """CPU microseconds each process group spent per reply."""
+        return self._per_reply(self.cpu_s)
+
+    def kernel_us_per_reply(self) -> dict[str, float]:
+        """The kernel's part of `cpu_us_per_reply` (empty where the meter did not read it)."""
+        return self._per_reply(self.system_s)
+
+    def _per_reply(self, seconds: dict[str, float]) -> dict[str, float]:
         if not self.replies:
-            return {name: math.nan for name in self.cpu_s}
-        return {name: round(s * 1e6 / self.replies, 1) for name, s in self.cpu_s.items()}
+            return {name: math.nan for name in seconds}
+        return {name: round(s * 1e6 / self.replies, 1) for name, s in seconds.items()}
 
     def as_dict(self) -> dict[str, object]:
         """The window's figures for a result file."""
-        return {
+        figures: dict[str, object] = {
             "replies": self.replies,
             "elapsed_s": round(self.elapsed_s, 3),
             "replies_per_s": round(self.per_s, 1),
@@ -93,6 +102,9 @@ class Window:
             "cpu_s": {name: round(s, 3) for name, s in self.cpu_s.items()},
             "cpu_us_per_reply": self.cpu_us_per_reply(),
         }
+        if self.system_s:
+            figures["kernel_us_per_reply"] = self.kernel_us_per_reply()
+        return figures
 
 
 def distinct_prompt(index: int, salt: int, length: int = 8) -> list[int]:
@@ -115,7 +127,8 @@ async def measure_window(
     await asyncio.sleep(measure_s)
     last, elapsed = len(counter.times), time.perf_counter() - started
     cpu = meter.stop() if meter is not None else {}
-    return Window(last - first, elapsed, cpu, counter.times[first:last])
+    system = meter.system_s if meter is not None else {}
+    return Window(last - first, elapsed, cpu, counter.times[first:last], system)
 
 
 async def closed_loop(
@@ -179,10 +192,11 @@ def record_window(
     report: Report, key: str, window: Window, payload_bytes: int
 ) -> tuple[float, float]:
     """Print and keep a window's figures; its replies/s and total CPU us per reply."""
-    cpu = window.cpu_us_per_reply()
+    cpu, kernel = window.cpu_us_per_reply(), window.kernel_us_per_reply()
     gbps = window.per_s * payload_bytes / 1e9
     line = (f"{key:<18} {window.per_s:8.1f} replies/s  {gbps:5.2f} GB/s  CPU us/reply: "
-            + ", ".join(f"{name} {us:.0f}" for name, us in cpu.items()))  # fmt: skip
+            + ", ".join(f"{name} {us:.0f}" + (f" (kernel {kernel[name]:.0f})" if name in kernel
+                        else "") for name, us in cpu.items()))  # fmt: skip
     report.figure(key, {**window.as_dict(), "payload_gb_per_s": round(gbps, 3)}, line=line)
     return window.per_s, sum(cpu.values())
 

@@ -39,6 +39,7 @@ from lmqueue.shared.registry import ModelRegistry
 from lmqueue.shared.settings import WorkerSettings
 
 from .metrics import WorkerMetrics
+from .read_connection import ReadConnection
 from .request_stream import Entry, RequestStream
 
 __all__ = ["PartitionReader", "StreamLane"]
@@ -85,7 +86,14 @@ class PartitionReader(Generic[Lane]):
         #: Entries taken from partitions this worker does not own.
         self.stolen = 0
         self._cluster = is_cluster(redis)
+        #: On a single instance, reads go out on a connection of their own (`ReadConnection`).
+        self._reads = None if self._cluster else ReadConnection(redis)
         self._next_look = 0.0
+
+    async def aclose(self) -> None:
+        """Close the reads' own connection (a later read opens another)."""
+        if self._reads is not None:
+            await self._reads.aclose()
 
     @property
     def _live_within_s(self) -> float:
@@ -208,6 +216,13 @@ class PartitionReader(Generic[Lane]):
         self, lanes: Sequence[Lane], count: int, block_ms: int | None
     ) -> list[tuple[Lane, Entry]]:
         by_stream = {lane.stream.stream: lane for lane in lanes}
+        if self._reads is not None:
+            rows_by_stream = await self._reads.xreadgroup(
+                WORKER_GROUP, self.settings.name, list(by_stream), count, block_ms
+            )
+            return [(by_stream[name], Entry(entry_id, fields))
+                    for name, rows in rows_by_stream
+                    for entry_id, fields in rows if fields is not None]  # fmt: skip
         reply = await self.redis.xreadgroup(
             WORKER_GROUP, self.settings.name, dict.fromkeys(by_stream, ">"),
             count=count, block=block_ms,

@@ -224,6 +224,8 @@ class Worker:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            with contextlib.suppress(*REDIS_DOWN):
+                await self.lanes.reader.aclose()
             await self.writer_thread.aclose()  # last: the janitor writes through it too
             with contextlib.suppress(*REDIS_DOWN):
                 await self.registry.leave(self.info.name, self.settings.name)
@@ -247,6 +249,8 @@ class Worker:
                         await self._handle(picks)
         finally:
             reader.steal_after_ms = steal_after_ms
+            with contextlib.suppress(*REDIS_DOWN):
+                await reader.aclose()
             await self.writer_thread.aclose()
         return self.answered - before
 

@@ -8,7 +8,9 @@ leave it able to read again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -21,6 +23,16 @@ from lmqueue.workers.read_connection import ReadConnection
 GROUP = "workers"
 
 
+@pytest.fixture
+async def reading(redis_url: str) -> AsyncIterator[tuple[Any, ReadConnection]]:
+    """A client of the flushed session server and a `ReadConnection` made from it."""
+    client = async_redis(redis_url)
+    reads = ReadConnection(client)
+    yield client, reads
+    await reads.aclose()
+    await client.aclose()
+
+
 async def _stream_with_group(client: object, name: str, entries: int) -> list[bytes]:
     await client.xgroup_create(name, GROUP, id="0", mkstream=True)  # type: ignore[attr-defined]
     return [
@@ -29,113 +41,84 @@ async def _stream_with_group(client: object, name: str, entries: int) -> list[by
     ]
 
 
-async def test_reads_what_redis_pys_xreadgroup_reads(redis_url: str) -> None:
-    client = async_redis(redis_url)
-    reads = ReadConnection(client)
-    try:
-        ids_a = await _stream_with_group(client, "lmq:a", 5)
-        ids_b = await _stream_with_group(client, "lmq:b", 2)
-        got = await reads.xreadgroup(GROUP, "w1", ["lmq:a", "lmq:b"], 3, None)
-        assert got == [
-            ("lmq:a", [(i.decode(), {b"m": f"envelope {n}".encode(), b"n": str(n).encode()})
-                       for n, i in enumerate(ids_a[:3])]),
-            ("lmq:b", [(i.decode(), {b"m": f"envelope {n}".encode(), b"n": str(n).encode()})
-                       for n, i in enumerate(ids_b)]),
-        ]  # fmt: skip
-        # redis-py's own read of the rest: the same shape, the same consumer group state
-        rest = await client.xreadgroup(GROUP, "w2", {"lmq:a": ">"}, count=10)
-        assert [(entry_id.decode(), fields) for entry_id, fields in rest[0][1]] == [
-            (i.decode(), {b"m": f"envelope {n}".encode(), b"n": str(n).encode()})
-            for n, i in enumerate(ids_a[3:], start=3)
-        ]
-        pending = await client.xpending("lmq:a", GROUP)
-        assert pending["pending"] == 5
-        assert {c["name"]: c["pending"] for c in pending["consumers"]} == {b"w1": 3, b"w2": 2}
-    finally:
-        await reads.aclose()
-        await client.aclose()
+async def test_reads_what_redis_pys_xreadgroup_reads(
+    reading: tuple[Any, ReadConnection],
+) -> None:
+    client, reads = reading
+    ids_a = await _stream_with_group(client, "lmq:a", 5)
+    ids_b = await _stream_with_group(client, "lmq:b", 2)
+    got = await reads.xreadgroup(GROUP, "w1", ["lmq:a", "lmq:b"], 3, None)
+    assert got == [("lmq:a", _expected(ids_a[:3])), ("lmq:b", _expected(ids_b))]
+    # redis-py's own read of the rest: the same shape, the same consumer group state
+    rest = await client.xreadgroup(GROUP, "w2", {"lmq:a": ">"}, count=10)
+    assert [(i.decode(), fields) for i, fields in rest[0][1]] == _expected(ids_a[3:], 3)
+    pending = await client.xpending("lmq:a", GROUP)
+    assert pending["pending"] == 5
+    assert {c["name"]: c["pending"] for c in pending["consumers"]} == {b"w1": 3, b"w2": 2}
 
 
-async def test_an_empty_block_ends_with_no_entries_and_new_ones_wake_it(redis_url: str) -> None:
-    client = async_redis(redis_url)
-    reads = ReadConnection(client)
-    try:
-        await _stream_with_group(client, "lmq:s", 0)
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 50) == []
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == []
-        waiting = asyncio.create_task(reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 5000))
-        await asyncio.sleep(0.1)
-        added = await client.xadd("lmq:s", {"m": b"x"})
-        got = await asyncio.wait_for(waiting, 2)
-        assert got == [("lmq:s", [(added.decode(), {b"m": b"x"})])]
-    finally:
-        await reads.aclose()
-        await client.aclose()
+async def test_an_empty_block_ends_with_no_entries_and_new_ones_wake_it(
+    reading: tuple[Any, ReadConnection],
+) -> None:
+    client, reads = reading
+    await _stream_with_group(client, "lmq:s", 0)
+    assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 50) == []
+    assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == []
+    waiting = asyncio.create_task(reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 5000))
+    await asyncio.sleep(0.1)
+    added = await client.xadd("lmq:s", {"m": b"x"})
+    got = await asyncio.wait_for(waiting, 2)
+    assert got == [("lmq:s", [(added.decode(), {b"m": b"x"})])]
 
 
-async def test_an_error_reply_raises_and_the_next_read_works(redis_url: str) -> None:
-    client = async_redis(redis_url)
-    reads = ReadConnection(client)
-    try:
-        await client.xadd("lmq:nogroup", {"m": b"x"})
-        with pytest.raises(ResponseError, match="NOGROUP"):
-            await reads.xreadgroup(GROUP, "w", ["lmq:nogroup"], 8, None)
-        ids = await _stream_with_group(client, "lmq:s", 1)
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == [
-            ("lmq:s", [(ids[0].decode(), {b"m": b"envelope 0", b"n": b"0"})])
-        ]
-    finally:
-        await reads.aclose()
-        await client.aclose()
+async def test_an_error_reply_raises_and_the_next_read_works(
+    reading: tuple[Any, ReadConnection],
+) -> None:
+    client, reads = reading
+    await client.xadd("lmq:nogroup", {"m": b"x"})
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await reads.xreadgroup(GROUP, "w", ["lmq:nogroup"], 8, None)
+    ids = await _stream_with_group(client, "lmq:s", 1)
+    assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == [("lmq:s", _expected(ids))]
 
 
-async def test_a_cancelled_read_leaves_no_half_read_reply_behind(redis_url: str) -> None:
-    client = async_redis(redis_url)
-    reads = ReadConnection(client)
-    try:
-        await _stream_with_group(client, "lmq:s", 0)
-        other = await _stream_with_group(client, "lmq:t", 1)
-        blocked = asyncio.create_task(reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 10_000))
-        await asyncio.sleep(0.1)
-        blocked.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await blocked
-        await asyncio.sleep(0.05)  # the connection's close reaches Redis before the entry
-        late = await client.xadd("lmq:s", {"m": b"late"})
-        # Had the cancelled read's connection been kept, Redis would have handed it the late
-        # entry, and the next read (of another stream) would take that reply for its own.
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:t"], 8, 1000) == [
-            ("lmq:t", [(other[0].decode(), {b"m": b"envelope 0", b"n": b"0"})])
-        ]
-        assert (await client.xpending("lmq:s", GROUP))["pending"] == 0
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == [
-            ("lmq:s", [(late.decode(), {b"m": b"late"})])
-        ]
-    finally:
-        await reads.aclose()
-        await client.aclose()
+async def test_a_cancelled_read_leaves_no_half_read_reply_behind(
+    reading: tuple[Any, ReadConnection],
+) -> None:
+    client, reads = reading
+    await _stream_with_group(client, "lmq:s", 0)
+    other = await _stream_with_group(client, "lmq:t", 1)
+    blocked = asyncio.create_task(reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, 10_000))
+    await asyncio.sleep(0.1)
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    await asyncio.sleep(0.05)  # the connection's close reaches Redis before the entry
+    late = await client.xadd("lmq:s", {"m": b"late"})
+    # Had the cancelled read's connection been kept, Redis would have handed it the late
+    # entry, and the next read (of another stream) would take that reply for its own.
+    assert await reads.xreadgroup(GROUP, "w", ["lmq:t"], 8, 1000) == [("lmq:t", _expected(other))]
+    assert (await client.xpending("lmq:s", GROUP))["pending"] == 0
+    assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 8, None) == [
+        ("lmq:s", [(late.decode(), {b"m": b"late"})])
+    ]
 
 
 async def test_a_connection_killed_by_redis_fails_one_read_and_the_next_reconnects(
-    redis_url: str,
+    reading: tuple[Any, ReadConnection], redis_url: str
 ) -> None:
-    client = async_redis(redis_url)
-    reads = ReadConnection(client)
+    client, reads = reading
+    ids = await _stream_with_group(client, "lmq:s", 2)
+    await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None)
     admin = redis.Redis.from_url(redis_url)
     try:
-        ids = await _stream_with_group(client, "lmq:s", 2)
-        await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None)
-        killed = admin.client_kill_filter(_type="normal", skipme=True)
-        assert killed >= 1
-        with pytest.raises(RedisConnectionError):
-            await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None)
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None) == [
-            ("lmq:s", [(ids[1].decode(), {b"m": b"envelope 1", b"n": b"1"})])
-        ]
+        assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
     finally:
         admin.close()
-        await reads.aclose()
-        await client.aclose()
+    with pytest.raises(RedisConnectionError):
+        await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None)
+    got = await reads.xreadgroup(GROUP, "w", ["lmq:s"], 1, None)
+    assert got == [("lmq:s", _expected(ids[1:], 1))]
 
 
 async def test_reads_over_tls_with_the_clients_own_settings(tls_redis: tuple[str, Path]) -> None:
@@ -145,10 +128,17 @@ async def test_reads_over_tls_with_the_clients_own_settings(tls_redis: tuple[str
     try:
         await client.delete("lmq:tls")
         ids = await _stream_with_group(client, "lmq:tls", 1)
-        assert await reads.xreadgroup(GROUP, "w", ["lmq:tls"], 4, 100) == [
-            ("lmq:tls", [(ids[0].decode(), {b"m": b"envelope 0", b"n": b"0"})])
-        ]
+        got = await reads.xreadgroup(GROUP, "w", ["lmq:tls"], 4, 100)
+        assert got == [("lmq:tls", _expected(ids))]
     finally:
         await reads.aclose()
         await client.delete("lmq:tls")
         await client.aclose()
+
+
+def _expected(ids: list[bytes], first: int = 0) -> list[tuple[str, dict[bytes, bytes]]]:
+    """The entries `_stream_with_group` added under `ids`, numbered from `first`."""
+    return [
+        (entry_id.decode(), {b"m": f"envelope {n}".encode(), b"n": str(n).encode()})
+        for n, entry_id in enumerate(ids, start=first)
+    ]

@@ -3,8 +3,8 @@
 A worker reads a batch's entries with one XREADGROUP; through redis-py's ``execute_command``
 each read also checks a connection out of the pool and back in, goes through the retry
 wrapper and the reply callback that makes every entry's fields a dict: ~170 against ~110 CPU
-us a read of 32 entries from a local Redis, on this project's 2-core machine (500 reads of
-32-entry batches, three pairs; docs/benchmarks-history.md, "Issue 33, 2026-12-07 (eighth
+us a read of 32 entries from a local Redis, on this project's 2-core machine (1,500 reads
+each, three rounds alternated; docs/benchmarks-history.md, "Issue 33, 2026-12-07 (eighth
 session)"). That is a worker's largest cost per batch on its event loop (``lmq bench
 transport``: ~850 CPU us a batch besides ~50 a reply), paid for every batch a GPU forwards.
 

@@ -33,10 +33,10 @@ async def reading(redis_url: str) -> AsyncIterator[tuple[Any, ReadConnection]]:
     await client.aclose()
 
 
-async def _stream_with_group(client: object, name: str, entries: int) -> list[bytes]:
-    await client.xgroup_create(name, GROUP, id="0", mkstream=True)  # type: ignore[attr-defined]
+async def _stream_with_group(client: Any, name: str, entries: int) -> list[bytes]:
+    await client.xgroup_create(name, GROUP, id="0", mkstream=True)
     return [
-        await client.xadd(name, {"m": f"envelope {i}".encode(), "n": str(i)})  # type: ignore[attr-defined]
+        await client.xadd(name, {"m": f"envelope {i}".encode(), "n": str(i)})
         for i in range(entries)
     ]
 
@@ -95,7 +95,7 @@ async def test_a_cancelled_read_leaves_no_half_read_reply_behind(
         await blocked
     await asyncio.sleep(0.05)  # the connection's close reaches Redis before the entry
     late = await client.xadd("lmq:s", {"m": b"late"})
-    # Had the cancelled read's connection been kept, Redis would have handed it the late
+    # Had the cancelled read's connection stayed open, Redis would have handed it the late
     # entry, and the next read (of another stream) would take that reply for its own.
     assert await reads.xreadgroup(GROUP, "w", ["lmq:t"], 8, 1000) == [("lmq:t", _expected(other))]
     assert (await client.xpending("lmq:s", GROUP))["pending"] == 0

@@ -28,6 +28,24 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
+def test_counts_by_tenant_stay_right_when_the_kept_label_children_are_cleared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`WorkerMetrics` keeps each labelled child it used (`_child`) and clears them when
+    more are kept than allowed: a child looked up again must count into the same series."""
+    monkeypatch.setattr("lmqueue.workers.metrics._CHILDREN_KEPT", 2)
+    metrics = WorkerMetrics("m1")
+    for _ in range(3):
+        for tenant in ("alice", "bob", "carol"):
+            metrics.count_requests(tenant, "ok", 2)
+            metrics.observe_replied(tenant, ["1700000000000-0"], now_s=1_700_000_000.5)
+    assert len(metrics._children) <= 2
+    samples = scrape(metrics)
+    for tenant in ("alice", "bob", "carol"):
+        assert value(samples, "lmq_requests_total", model="m1", tenant=tenant, outcome="ok") == 6
+        assert value(samples, "lmq_e2e_request_seconds_count", model="m1", tenant=tenant) == 3
+
+
 def test_entry_ids_carry_their_enqueue_time_in_milliseconds() -> None:
     assert entry_enqueued_s("1700000000123-7") == pytest.approx(1_700_000_000.123)
 

@@ -231,6 +231,25 @@ def test_a_requests_token_estimate_is_its_prompt_whatever_its_optional_fields(to
         assert _estimated_tokens(entry) == tokens
 
 
+async def test_a_read_request_is_charged_its_prompts_tokens_and_a_malformed_one_its_estimate(
+    aredis, make_worker
+):
+    """Read into the fair share, a decoded request is charged its prompt's tokens (decoded
+    as read: `Entry.request`), one that does not decode its envelope's estimate."""
+    worker = make_worker()
+    await worker.publish()
+    await _enqueue(aredis, [list(range(3)), list(range(70))])
+    await aredis.xadd(KEYS.requests(MODEL), {b"m": b"x" * 300})
+    try:
+        await worker._read_into_scheduler(None)
+    finally:
+        await worker.lanes.reader.aclose()  # its connection of its own (`ReadConnection`)
+    picks = worker.scheduler.pick(10)
+    assert [pick.tokens for pick in picks] == [3, 70, 59]
+    decoded = [entry._decoded for _, entry in (pick.item for pick in picks)]
+    assert [type(d).__name__ for d in decoded] == ["Request", "Request", "MalformedMessage"]
+
+
 def test_an_envelope_without_readable_tokens_is_estimated_by_its_size():
     assert _estimated_tokens(Entry("1-0", {b"m": b"x" * 300})) == 59
     assert _estimated_tokens(Entry("1-0", {b"m": b"\xa6tokens"})) == 1

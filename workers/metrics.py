@@ -56,6 +56,8 @@ _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATE_WINDOW_S = 60.0
+#: Labelled metric children kept by `WorkerMetrics._child`; cleared when full.
+_CHILDREN_KEPT = 4096
 
 
 def entry_enqueued_s(entry_id: str) -> float:
@@ -135,40 +137,53 @@ class WorkerMetrics:
         self.batches_total = 0
         self.requests_total = 0
         self._rate_samples: deque[tuple[float, int, int]] = deque()
+        #: Labelled children by metric and labels (`_child`).
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(model, *labels)``, looked up once: prometheus_client validates and
+        locks at every ``labels`` call, ~8 of them a batch on the worker's loop and writer."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= _CHILDREN_KEPT:  # tenants come and go
+                self._children.clear()
+            child = self._children[key] = metric.labels(self.model, *labels)
+        return child
 
     # -- what the worker calls ---------------------------------------------------------------
     def observe_batch(self, requests: int, tokens: int) -> None:
         """A batch of `requests` entries was read; its admitted prompts hold `tokens` tokens."""
-        self._batch_requests.labels(self.model).observe(requests)
-        self._batch_tokens.labels(self.model).observe(tokens)
+        self._child(self._batch_requests).observe(requests)
+        self._child(self._batch_tokens).observe(tokens)
         self.batches_total += 1
 
     def observe_forward(self, seconds: float) -> None:
         """A batch's prompts took `seconds` in the backend."""
-        self._forward.labels(self.model).observe(seconds)
+        self._child(self._forward).observe(seconds)
 
     def observe_queue_wait(
         self, tenant: str, entry_ids: Iterable[str], now_s: float | None = None
     ) -> None:
         """Compute starts now for `entry_ids`: record how long each waited since its XADD."""
-        self._observe_since(self._queue_wait.labels(self.model, tenant), entry_ids, now_s)
+        self._observe_since(self._child(self._queue_wait, tenant), entry_ids, now_s)
 
     def observe_replied(
         self, tenant: str, entry_ids: Iterable[str], now_s: float | None = None
     ) -> None:
         """The replies to `entry_ids` were written: record each one's time since its XADD."""
-        self._observe_since(self._e2e.labels(self.model, tenant), entry_ids, now_s)
+        self._observe_since(self._child(self._e2e, tenant), entry_ids, now_s)
 
     def count_requests(self, tenant: str, outcome: str, n: int = 1) -> None:
         """`n` requests of `tenant` were answered with `outcome` (``ok`` or an error class)."""
         if n:
-            self._requests.labels(self.model, tenant, outcome).inc(n)
+            self._child(self._requests, tenant, outcome).inc(n)
             self.requests_total += n
 
     def count_dead_letters(self, tenant: str, n: int = 1) -> None:
         """`n` entries of `tenant` went to the dead-letter stream."""
         if n:
-            self._dead.labels(self.model, tenant).inc(n)
+            self._child(self._dead, tenant).inc(n)
 
     def observe_partitions(self, owned: int, stolen: int = 0) -> None:
         """The worker owns `owned` partitions and took `stolen` more entries from others'."""
@@ -184,9 +199,9 @@ class WorkerMetrics:
     def count_claim_checks(self, sent: int, missed: int) -> None:
         """`sent` results went out as claim-checks, `missed` inline though claims were wanted."""
         if sent:
-            self._claims.labels(self.model).inc(sent)
+            self._child(self._claims).inc(sent)
         if missed:
-            self._claim_misses.labels(self.model).inc(missed)
+            self._child(self._claim_misses).inc(missed)
 
     def mark_heartbeat(self, now_s: float | None = None) -> None:
         """A heartbeat was written."""

@@ -46,9 +46,11 @@ class ReadConnection:
         connection = self._connection
         if connection is None:
             connection = self._connection = self._pool.make_connection()
-        args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", count]
+        # numbers as text: a command of strings only is packed by the project's packer, not
+        # redis-py's (`shared.connections._VectoredConnection.pack_command`)
+        args: list[Any] = ["XREADGROUP", "GROUP", group, consumer, "COUNT", str(count)]
         if block_ms is not None:
-            args += ["BLOCK", block_ms]
+            args += ["BLOCK", str(block_ms)]
         args += ["STREAMS", *streams, *(">" for _ in streams)]
         await connection.send_command(*args)
         reply = await connection.read_response()

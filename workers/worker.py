@@ -386,11 +386,12 @@ class Worker:
             self.scheduler.set_weight(lane.tenant, lane.weight)
             credit = self.returning.credit(lane.tenant)
             for entry in entries:
-                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
                 try:  # decoded as read, mostly during a forward (`Entry.request`); not
-                    entry.request()  # contextlib.suppress: an object and two calls an entry
-                except MalformedMessage:
-                    pass  # answered when it is picked
+                    # contextlib.suppress: an object and two calls an entry
+                    tokens = max(len(entry.request().token_bytes) >> 2, 1)
+                except MalformedMessage:  # answered when it is picked
+                    tokens = _estimated_tokens(entry)
+                self.scheduler.add(lane.tenant, (lane, entry), tokens, credit)
         if stage_trace.enabled():
             queued = ((t, self.scheduler.backlog(t)) for t in self.lanes.tenants())
             stage_trace.mark("read", _tenant_counts(queued))
@@ -581,7 +582,8 @@ def _tenant_counts(counts: Iterable[tuple[str, int]]) -> str:
 
 def _estimated_tokens(entry: Entry) -> int:
     """A request's prompt tokens, read off its envelope without decoding it
-    (`shared.wire.envelope_token_count`; from the envelope's size if that is not found).
+    (`shared.wire.envelope_token_count`; from the envelope's size if that is not found): what
+    an entry that does not decode is charged (a decoded one: its prompt's tokens, the same count).
 
     The size alone counted the header's optional fields as tokens (an 8-token prompt's
     envelope is ~150 bytes): one more flag on every request shifted what each was charged,

@@ -385,13 +385,8 @@ class Worker:
                 self.answered += len(refused.acks)
             self.scheduler.set_weight(lane.tenant, lane.weight)
             credit = self.returning.credit(lane.tenant)
-            for entry in entries:
-                try:  # decoded as read, mostly during a forward (`Entry.request`); not
-                    # contextlib.suppress: an object and two calls an entry
-                    tokens = max(len(entry.request().token_bytes) >> 2, 1)
-                except MalformedMessage:  # answered when it is picked
-                    tokens = _estimated_tokens(entry)
-                self.scheduler.add(lane.tenant, (lane, entry), tokens, credit)
+            for entry in entries:  # each decoded as read (`_estimated_tokens`)
+                self.scheduler.add(lane.tenant, (lane, entry), _estimated_tokens(entry), credit)
         if stage_trace.enabled():
             queued = ((t, self.scheduler.backlog(t)) for t in self.lanes.tenants())
             stage_trace.mark("read", _tenant_counts(queued))
@@ -581,9 +576,10 @@ def _tenant_counts(counts: Iterable[tuple[str, int]]) -> str:
 
 
 def _estimated_tokens(entry: Entry) -> int:
-    """A request's prompt tokens, read off its envelope without decoding it
-    (`shared.wire.envelope_token_count`; from the envelope's size if that is not found): what
-    an entry that does not decode is charged (a decoded one: its prompt's tokens, the same count).
+    """A request's prompt tokens: decoded as read (`Entry.request`, mostly during a forward,
+    off the way from the pick to the next one), its token bytes; an entry that does not decode
+    (answered with its error when picked) is charged what its envelope names
+    (`shared.wire.envelope_token_count`; from the envelope's size if that is not found).
 
     The size alone counted the header's optional fields as tokens (an 8-token prompt's
     envelope is ~150 bytes): one more flag on every request shifted what each was charged,
@@ -591,6 +587,10 @@ def _estimated_tokens(entry: Entry) -> int:
     The envelope is untrusted: a wrong count only misplaces the sender's own requests until
     the forward reports what they cost (`FairShare.adjust`).
     """
+    try:  # not contextlib.suppress: an object and two calls an entry
+        return max(len(entry.request().token_bytes) // 4, 1)
+    except MalformedMessage:
+        pass
     raw = entry.fields.get(b"m", b"")
     count = envelope_token_count(raw)
     return max(count if count is not None else (len(raw) - 64) // 4, 1)
